@@ -1,0 +1,65 @@
+# loraserve — the two commands of a fresh machine are `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+PROTO_OUT := clients/proto
+PROTOS := $(wildcard protos/loraserve/v1/*.proto)
+DEMO_DIR ?= .loraserve-demo
+# protoc finds its mypy plugins (protoc-gen-mypy, protoc-gen-mypy_grpc) on PATH.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: install run test lint protos check-protos bench-store bench-gpu clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first: the local CPU build; the project's loose torch>=2.4 then adds nothing.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)" || $(PIP) install -q "torch>=2.4"
+	$(PIP) install -q -e ".[test,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# Starts the store and a worker on the embedded default (tiny model, demo adapters,
+# local disk, in-process coordination) and prints a sample generation.
+run: install
+	$(VENV)/bin/loraserve up --data-dir $(DEMO_DIR)
+
+test: install check-protos lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff over the tree, mypy over the typed packages.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy adapter_store kernels clients inference_worker
+
+# Regenerates the gRPC stubs and their mypy stubs into clients/proto (committed).
+protos: install
+	$(PY) -m grpc_tools.protoc -I protos --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+		--mypy_out=$(PROTO_OUT) --mypy_grpc_out=$(PROTO_OUT) $(PROTOS)
+
+# Fails when the committed stubs differ from what the protos generate.
+check-protos: install
+	@tmp=$$(mktemp -d); \
+	$(PY) -m grpc_tools.protoc -I protos --python_out=$$tmp --grpc_python_out=$$tmp \
+		--mypy_out=$$tmp --mypy_grpc_out=$$tmp $(PROTOS) || { rm -rf $$tmp; exit 1; }; \
+	n=$$(cd $$tmp && find . -type f -name '*.py*' | wc -l); [ "$$n" -ge 6 ] || { echo "protoc generated nothing"; exit 1; }; \
+	for f in $$(cd $$tmp && find . -type f -name '*.py*'); do \
+		cmp -s $$tmp/$$f $(PROTO_OUT)/$$f || { echo "stale generated stub: $(PROTO_OUT)/$$f (run make protos)"; rm -rf $$tmp; exit 1; }; \
+	done; rm -rf $$tmp; echo "generated stubs are up to date"
+
+bench-store: install
+	$(PY) benchmarks/bench_store.py
+
+# GPU benchmarks (need CUDA): kernels, engine, multi-LoRA worker, sampler (benchmarks/gpu_run.sh
+# runs them after the GPU tests, in one go, logs under $OUT).
+bench-gpu: install
+	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench_lora_worker.py
+	$(PY) benchmarks/bench_sampler.py --vocab 128256
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -1,0 +1,88 @@
+"""The CPU cache of optimized adapters: LRU, bounded by a count and by bytes.
+
+An adapter larger than the byte budget is never cached (it is rebuilt from its source per fetch).
+Entries carry their digest, so a re-registered adapter never serves a stale payload, and the
+registry record they were last served under, so cached adapters keep streaming while the registry
+is unreachable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from adapter_store.optimize import OptimizedAdapter
+from adapter_store.registry import AdapterRecord
+
+
+class AdapterCache:
+    def __init__(self, max_adapters: int, max_bytes: int,
+                 on_evict: Callable[[str, OptimizedAdapter], None] | None = None) -> None:
+        self.max_adapters, self.max_bytes = max_adapters, max_bytes
+        # adapter id -> (last known record, payload), least recently used first
+        self._entries: OrderedDict[str, tuple[AdapterRecord, OptimizedAdapter]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._on_evict = on_evict
+
+    def get(self, adapter_id: str, digest: str, record: AdapterRecord | None = None) -> OptimizedAdapter | None:
+        """The cached payload of that digest (an entry of another digest is dropped); on a hit, record
+        (the registry's current one) becomes the entry's last known record."""
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            if entry is None:
+                return None
+            adapter = entry[1]
+            if adapter.digest != digest:
+                self._remove(adapter_id)
+                return None
+            if record is not None:
+                self._entries[adapter_id] = (record, adapter)
+            self._entries.move_to_end(adapter_id)
+            return adapter
+
+    def known_record(self, adapter_id: str) -> AdapterRecord | None:
+        """The record a cached adapter was last served under (None when not cached)."""
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            return None if entry is None else entry[0]
+
+    def put(self, adapter_id: str, adapter: OptimizedAdapter, record: AdapterRecord) -> None:
+        """Cache the payload of `record` (record.digest == adapter.digest)."""
+        evicted: list[tuple[str, OptimizedAdapter]] = []
+        with self._lock:
+            self._remove(adapter_id)
+            if adapter.total_bytes > self.max_bytes:
+                return
+            self._entries[adapter_id] = (record, adapter)
+            self._bytes += adapter.total_bytes
+            while len(self._entries) > self.max_adapters or self._bytes > self.max_bytes:
+                victim, (_, old) = self._entries.popitem(last=False)
+                self._bytes -= old.total_bytes
+                evicted.append((victim, old))
+        if self._on_evict:
+            for victim, old in evicted:
+                self._on_evict(victim, old)
+
+    def drop(self, adapter_id: str) -> None:
+        with self._lock:
+            self._remove(adapter_id)
+
+    def _remove(self, adapter_id: str) -> None:
+        old = self._entries.pop(adapter_id, None)
+        if old is not None:
+            self._bytes -= old[1].total_bytes
+
+    def __contains__(self, adapter_id: str) -> bool:
+        with self._lock:
+            return adapter_id in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return self._bytes

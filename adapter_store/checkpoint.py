@@ -1,0 +1,157 @@
+"""A PEFT checkpoint as read from a source: adapter_config.json + adapter_model.safetensors.
+
+The safetensors header is parsed and checked here before any tensor is materialised: an 8-byte
+little-endian header length, then a JSON object `{name: {dtype, shape, data_offsets}}` whose
+offsets are relative to the end of the header. Sizes, counts, dtypes and offsets are bounded
+first, so a hostile file cannot make the store allocate more than the file holds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from adapter_store.errors import InvalidArgument
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_HEADER_BYTES = 16 << 20
+
+# safetensors dtype tag -> (torch dtype, bytes per element); only float types are accepted.
+FLOAT_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F32": (torch.float32, 4),
+    "F64": (torch.float64, 8),
+}
+
+PICKLE_MESSAGE = (
+    "adapter_model.bin is a pickle checkpoint and is refused (loading pickles can execute code). "
+    "Convert it in a trusted environment: load it with torch and save it as safetensors, e.g. "
+    "`PeftModel.from_pretrained(base, path).save_pretrained(out, safe_serialization=True)` or "
+    "`safetensors.torch.save_file(torch.load(path), 'adapter_model.safetensors')`"
+)
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    name: str
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int  # byte range in the data section
+    end: int
+
+
+@dataclass
+class PeftCheckpoint:
+    config: dict
+    tensors: dict[str, torch.Tensor]
+
+
+def parse_config(data: bytes) -> dict:
+    if len(data) > MAX_CONFIG_BYTES:
+        raise InvalidArgument(f"{CONFIG_FILE} is {len(data)} bytes, over the {MAX_CONFIG_BYTES} byte limit")
+    try:
+        config = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
+    return config
+
+
+def parse_header(data: bytes | memoryview, *, max_tensors: int) -> tuple[list[TensorHeader], int]:
+    """Checked tensor headers (sorted by offset) and the byte offset where the data section starts."""
+    size = len(data)
+    if size < 8:
+        raise InvalidArgument(f"{WEIGHTS_FILE} is truncated: {size} bytes, no header")
+    header_len = int.from_bytes(bytes(data[:8]), "little")
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE} header claims {header_len} bytes but the file holds {size} bytes "
+            "(truncated or corrupt)")
+    try:
+        header = json.loads(bytes(data[8:8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(f"{WEIGHTS_FILE} header is not valid JSON (corrupt file): {exc}") from exc
+    if not isinstance(header, dict):
+        raise InvalidArgument(f"{WEIGHTS_FILE} header must be a JSON object")
+    header.pop("__metadata__", None)
+    if len(header) > max_tensors:
+        raise InvalidArgument(f"{WEIGHTS_FILE} holds {len(header)} tensors, over the limit of {max_tensors}")
+    data_start = 8 + header_len
+    data_len = size - data_start
+    entries = [_tensor_header(name, info, data_len) for name, info in header.items()]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    for prev, cur in zip(entries, entries[1:], strict=False):
+        if cur.begin < prev.end:
+            raise InvalidArgument(f"tensors {prev.name!r} and {cur.name!r} overlap in {WEIGHTS_FILE}")
+    return entries, data_start
+
+
+def _tensor_header(name: str, info: object, data_len: int) -> TensorHeader:
+    if not isinstance(info, dict):
+        raise InvalidArgument(f"tensor {name!r}: header entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in FLOAT_DTYPES:
+        raise InvalidArgument(
+            f"tensor {name!r} has dtype {dtype!r}; only float dtypes {sorted(FLOAT_DTYPES)} are accepted")
+    if not (isinstance(shape, list) and len(shape) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise InvalidArgument(f"tensor {name!r} has a malformed shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise InvalidArgument(f"tensor {name!r} has malformed data_offsets {offsets!r}")
+    begin, end = offsets
+    nbytes = math.prod(shape) * FLOAT_DTYPES[dtype][1]
+    if nbytes > data_len:
+        raise InvalidArgument(
+            f"tensor {name!r} claims {nbytes} bytes (shape {shape}) but the file holds only {data_len}")
+    if not 0 <= begin <= end <= data_len:
+        raise InvalidArgument(
+            f"tensor {name!r} has data_offsets [{begin}, {end}] outside the {data_len} byte data section "
+            "(truncated or corrupt file)")
+    if end - begin != nbytes:
+        raise InvalidArgument(
+            f"tensor {name!r} spans {end - begin} bytes but shape {shape} x {dtype} needs {nbytes}")
+    return TensorHeader(name, dtype, tuple(shape), begin, end)
+
+
+def load_tensors(data: bytes, *, max_tensors: int) -> dict[str, torch.Tensor]:
+    """Parse and check the header, then view each tensor in `data` (no copy where aligned)."""
+    entries, data_start = parse_header(data, max_tensors=max_tensors)
+    tensors: dict[str, torch.Tensor] = {}
+    for e in entries:
+        torch_dtype, itemsize = FLOAT_DTYPES[e.dtype]
+        count = (e.end - e.begin) // itemsize
+        if count == 0:
+            t = torch.empty(0, dtype=torch_dtype)
+        elif (data_start + e.begin) % itemsize == 0:
+            # a read-only view of `data` (kept alive by the tensor): nothing here writes to it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.frombuffer(data, dtype=torch_dtype, count=count, offset=data_start + e.begin)
+        else:  # misaligned for its dtype: copy
+            t = torch.frombuffer(bytearray(data[data_start + e.begin:data_start + e.end]), dtype=torch_dtype)
+        tensors[e.name] = t.reshape(e.shape)
+    return tensors
+
+
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise InvalidArgument(f"tensor {name!r} contains NaN or Inf values")
+
+
+def read_checkpoint(config_bytes: bytes, weights_bytes: bytes, *, max_tensors: int) -> PeftCheckpoint:
+    config = parse_config(config_bytes)
+    tensors = load_tensors(weights_bytes, max_tensors=max_tensors)
+    check_finite(tensors)
+    return PeftCheckpoint(config, tensors)

@@ -1,0 +1,118 @@
+"""The registry of adapters: what survives a restart of the store.
+
+`SqliteRegistry` keeps it in a file of the data directory; `RedisRegistry` (registry_redis.py)
+under a key prefix shared by the fleet. Both implement `Registry`; calls block, so the service
+runs them off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from adapter_store.errors import AlreadyExists
+
+
+@dataclass
+class AdapterRecord:
+    adapter_id: str
+    source: str
+    digest: str
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: list[str]
+    dtype: str
+    size_bytes: int
+    base_model: str
+    layout_version: int
+    num_tensors: int
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    state: str = "READY"  # AdapterState name without its prefix
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> AdapterRecord:
+        return cls(**json.loads(text))
+
+
+class Registry(Protocol):
+    def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
+        """Store record; returns the record it replaced. AlreadyExists when taken and not overwrite."""
+
+    def get(self, adapter_id: str) -> AdapterRecord | None: ...
+
+    def delete(self, adapter_id: str) -> AdapterRecord | None:
+        """Remove and return the record; None when unknown."""
+
+    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], int]:
+        """Up to `limit` records with id > after, in id order, and the total count."""
+
+    def close(self) -> None: ...
+
+
+class SqliteRegistry:
+    def __init__(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS adapters (adapter_id TEXT PRIMARY KEY, record TEXT NOT NULL)")
+
+    def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                old = self._get(record.adapter_id)
+                if old is not None and not overwrite:
+                    raise AlreadyExists(f"adapter {record.adapter_id!r} already exists (set overwrite to replace it)")
+                self._db.execute("INSERT OR REPLACE INTO adapters (adapter_id, record) VALUES (?, ?)",
+                                 (record.adapter_id, record.to_json()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return old
+
+    def _get(self, adapter_id: str) -> AdapterRecord | None:
+        row = self._db.execute("SELECT record FROM adapters WHERE adapter_id = ?", (adapter_id,)).fetchone()
+        return AdapterRecord.from_json(row[0]) if row else None
+
+    def get(self, adapter_id: str) -> AdapterRecord | None:
+        with self._lock:
+            return self._get(adapter_id)
+
+    def delete(self, adapter_id: str) -> AdapterRecord | None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                old = self._get(adapter_id)
+                self._db.execute("DELETE FROM adapters WHERE adapter_id = ?", (adapter_id,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return old
+
+    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], int]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record FROM adapters WHERE adapter_id > ? ORDER BY adapter_id LIMIT ?", (after, limit)
+            ).fetchall()
+            total = self._db.execute("SELECT COUNT(*) FROM adapters").fetchone()[0]
+        return [AdapterRecord.from_json(r[0]) for r in rows], int(total)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

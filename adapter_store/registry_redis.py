@@ -1,0 +1,97 @@
+"""The registry in Redis, under one key prefix:
+
+    {prefix}adapter:{id}   string, the record as JSON
+    {prefix}adapters       sorted set of ids (all score 0, so ZRANGE BYLEX pages in id order)
+    {prefix}events         stream of invalidations (an adapter replaced or deleted) for workers
+
+Each multi-key update is one Lua script, so the record, the index and the event change together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adapter_store.errors import AlreadyExists, Unavailable
+from adapter_store.registry import AdapterRecord
+
+# KEYS[1] - record key, KEYS[2] - id index, KEYS[3] - event stream
+# ARGV[1] - adapter id, ARGV[2] - record JSON, ARGV[3] - "1" to overwrite, ARGV[4] - new digest
+# returns {1, previous JSON or ""} when stored, {0, existing JSON} when taken and not overwriting
+PUT_SCRIPT = """
+local old = redis.call('GET', KEYS[1])
+if old and ARGV[3] ~= '1' then return {0, old} end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+if old then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'event', 'replaced', 'adapter_id', ARGV[1], 'digest', ARGV[4])
+end
+return {1, old or ''}
+"""
+
+# KEYS[1] - record key, KEYS[2] - id index, KEYS[3] - event stream
+# ARGV[1] - adapter id
+# returns the deleted record JSON, or false when there was none
+DELETE_SCRIPT = """
+local old = redis.call('GET', KEYS[1])
+if not old then return false end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'event', 'deleted', 'adapter_id', ARGV[1])
+return old
+"""
+
+
+class RedisRegistry:
+    def __init__(self, url: str, prefix: str = "loraserve:", client: Any = None) -> None:
+        import redis
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+
+        self.prefix = prefix
+        self._redis = client or redis.Redis.from_url(
+            url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            socket_connect_timeout=2, socket_timeout=5)
+        self._errors = (redis.ConnectionError, redis.TimeoutError)
+        self._put = self._redis.register_script(PUT_SCRIPT)
+        self._delete = self._redis.register_script(DELETE_SCRIPT)
+        self.index_key = f"{prefix}adapters"
+        self.events_key = f"{prefix}events"
+
+    def record_key(self, adapter_id: str) -> str:
+        return f"{self.prefix}adapter:{adapter_id}"
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except self._errors as exc:
+            raise Unavailable(f"registry (Redis) unreachable: {exc}") from exc
+
+    def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
+        keys = [self.record_key(record.adapter_id), self.index_key, self.events_key]
+        ok, old = self._call(self._put, keys=keys,
+                             args=[record.adapter_id, record.to_json(), "1" if overwrite else "0", record.digest])
+        if not int(ok):
+            raise AlreadyExists(f"adapter {record.adapter_id!r} already exists (set overwrite to replace it)")
+        return AdapterRecord.from_json(old) if old else None
+
+    def get(self, adapter_id: str) -> AdapterRecord | None:
+        raw = self._call(self._redis.get, self.record_key(adapter_id))
+        return AdapterRecord.from_json(raw) if raw else None
+
+    def delete(self, adapter_id: str) -> AdapterRecord | None:
+        keys = [self.record_key(adapter_id), self.index_key, self.events_key]
+        old = self._call(self._delete, keys=keys, args=[adapter_id])
+        return AdapterRecord.from_json(old) if old else None
+
+    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], int]:
+        start = f"({after}" if after else "-"
+        ids = self._call(self._redis.zrangebylex, self.index_key, start, "+", start=0, num=limit)
+        total = self._call(self._redis.zcard, self.index_key)
+        if not ids:
+            return [], int(total)
+        raws = self._call(self._redis.mget, [self.record_key(i.decode() if isinstance(i, bytes) else i) for i in ids])
+        return [AdapterRecord.from_json(r) for r in raws if r], int(total)
+
+    def close(self) -> None:
+        self._redis.close()

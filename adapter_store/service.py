@@ -1,0 +1,199 @@
+"""The adapter store's logic, independent of gRPC: register, look up, list, delete and prepare
+fetches. Blocking work (sources, parsing, hashing, the registry) runs in worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+
+from adapter_store.cache import AdapterCache
+from adapter_store.checkpoint import read_checkpoint
+from adapter_store.config import StoreConfig
+from adapter_store.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from adapter_store.flight import SingleFlight
+from adapter_store.metrics import StoreMetrics
+from adapter_store.optimize import OptimizedAdapter, optimize
+from adapter_store.registry import AdapterRecord, Registry
+from adapter_store.sources import AdapterSource, SourceResolver
+from adapter_store.validate import Limits, LoraAdapter, validate
+from clients.adapter_layout import ADAPTER_ID_RE
+
+log = logging.getLogger("loraserve.store")
+
+DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
+
+
+def check_adapter_id(adapter_id: str) -> None:
+    if not ADAPTER_ID_RE.match(adapter_id) or ".." in adapter_id:
+        raise InvalidArgument(f"adapter id {adapter_id[:140]!r} is malformed: it must match "
+                              f"{ADAPTER_ID_RE.pattern} and not contain '..'")
+
+
+class AdapterService:
+    def __init__(self, config: StoreConfig, base_config: dict, registry: Registry, resolver: SourceResolver,
+                 metrics: StoreMetrics | None = None) -> None:
+        self.config = config
+        self.base_config = base_config
+        self.registry = registry
+        self.resolver = resolver
+        self.metrics = metrics or StoreMetrics()
+        self.cache = AdapterCache(config.cache_max_adapters, config.cache_max_bytes, on_evict=self._evicted)
+        self.flight = SingleFlight()
+        base_name = config.expected_base_model_name(base_config) if config.check_base_model else None
+        self.limits = Limits(max_lora_rank=config.max_lora_rank, base_model_name=base_name)
+        self.draining = False
+        self._pending_registrations = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _check_serving(self) -> None:
+        if self.draining:
+            raise Unavailable("the store is draining (shutting down); retry on another instance")
+
+    def _evicted(self, adapter_id: str, _: OptimizedAdapter) -> None:
+        self.metrics.cache_evictions.inc()
+        log.info("evicted adapter %s from the CPU cache", adapter_id)
+
+    def _cache_gauges(self) -> None:
+        self.metrics.cache_adapters.set(len(self.cache))
+        self.metrics.cache_bytes.set(self.cache.bytes)
+
+    def _build(self, source: AdapterSource, reason: str) -> tuple[LoraAdapter, OptimizedAdapter]:
+        """Read, validate and optimize a checkpoint (blocking; runs in a worker thread)."""
+        start = time.perf_counter()
+        self.metrics.builds.labels(reason).inc()
+        config_bytes, weights = source.read_checkpoint_files(self.config.max_adapter_bytes)
+        ckpt = read_checkpoint(config_bytes, weights, max_tensors=self.config.max_tensors)
+        del weights
+        adapter = validate(ckpt, self.base_config, self.limits)
+        optimized = optimize(adapter, self.base_config, self.config.serving_dtype)
+        self.metrics.build_seconds.observe(time.perf_counter() - start)
+        return adapter, optimized
+
+    # -- operations ------------------------------------------------------------------------
+    async def register(self, adapter_id: str, source: str, overwrite: bool) -> AdapterRecord:
+        self._check_serving()
+        check_adapter_id(adapter_id)
+        if self._pending_registrations >= self.config.max_pending_registrations:
+            raise ResourceExhausted(f"{self._pending_registrations} registrations are in flight; retry later")
+        self._pending_registrations += 1
+        try:
+            # Keyed on the request as given, so identical concurrent requests join before any await.
+            record = await self.flight.do(("register", adapter_id, source, overwrite),
+                                          lambda: self._register(adapter_id, source, overwrite))
+            self.metrics.registrations.labels("ok").inc()
+            return record
+        except Exception:
+            self.metrics.registrations.labels("error").inc()
+            raise
+        finally:
+            self._pending_registrations -= 1
+
+    async def _register(self, adapter_id: str, source: str, overwrite: bool) -> AdapterRecord:
+        src = await asyncio.to_thread(self.resolver.resolve, source)  # filesystem / boto3 client set-up
+        if not overwrite and await asyncio.to_thread(self.registry.get, adapter_id) is not None:
+            raise AlreadyExists(f"adapter {adapter_id!r} already exists (set overwrite to replace it)")
+        a, o = await asyncio.to_thread(self._build, src, "register")
+        record = AdapterRecord(
+            adapter_id=adapter_id, source=src.uri, digest=o.digest, rank=o.rank, lora_alpha=a.lora_alpha,
+            use_rslora=a.use_rslora, target_modules=a.target_modules, dtype=o.dtype, size_bytes=o.total_bytes,
+            base_model=a.base_model, layout_version=o.layout_version, num_tensors=len(o.tensors),
+            rank_pattern=a.rank_pattern, alpha_pattern=a.alpha_pattern)
+        await asyncio.to_thread(self.registry.put, record, overwrite)
+        self.cache.put(adapter_id, o, record)
+        self._cache_gauges()
+        log.info("registered adapter %s from %s (rank %d, %d bytes, digest %s)",
+                 adapter_id, src.uri, o.rank, o.total_bytes, o.digest[:12])
+        return record
+
+    async def get(self, adapter_id: str) -> AdapterRecord:
+        check_adapter_id(adapter_id)
+        record = await asyncio.to_thread(self.registry.get, adapter_id)
+        if record is None:
+            raise NotFound(f"adapter {adapter_id!r} is not registered")
+        return record
+
+    async def list(self, page_size: int, page_token: str) -> tuple[list[AdapterRecord], str, int]:
+        if page_size < 0:
+            raise InvalidArgument(f"page_size must be >= 0, got {page_size}")
+        limit = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = decode_page_token(page_token)
+        records, total = await asyncio.to_thread(self.registry.list, after, limit + 1)
+        more = len(records) > limit
+        records = records[:limit]
+        next_token = encode_page_token(records[-1].adapter_id) if more and records else ""
+        return records, next_token, total
+
+    async def delete(self, adapter_id: str) -> AdapterRecord:
+        self._check_serving()
+        check_adapter_id(adapter_id)
+        record = await asyncio.to_thread(self.registry.delete, adapter_id)
+        if record is None:
+            raise NotFound(f"adapter {adapter_id!r} is not registered")
+        self.cache.drop(adapter_id)
+        self._cache_gauges()
+        log.info("deleted adapter %s", adapter_id)
+        return record
+
+    async def open_fetch(self, adapter_id: str, offset: int, digest: str) -> tuple[AdapterRecord, OptimizedAdapter]:
+        """The record and optimized payload to stream from `offset`; rebuilt from source on a cache miss."""
+        self._check_serving()
+        try:
+            record = await self.get(adapter_id)
+        except Unavailable:
+            # Registry down: what the cache holds keeps streaming under its last known record
+            # (no registration or deletion can land meanwhile, for they need the registry too).
+            known = self.cache.known_record(adapter_id)
+            if known is None:
+                raise
+            log.warning("registry unreachable: serving cached adapter %s from its last known record", adapter_id)
+            record = known
+        if digest and digest != record.digest:
+            raise FailedPrecondition(f"adapter {adapter_id!r} has digest {record.digest}, not the requested "
+                                     f"{digest} (it was re-registered)")
+        optimized = self.cache.get(adapter_id, record.digest, record)
+        if optimized is not None:
+            self.metrics.cache_hits.inc()
+        else:
+            self.metrics.cache_misses.inc()
+            optimized = await self.flight.do(("build", adapter_id, record.digest), lambda: self._rebuild(record))
+        if not 0 <= offset <= optimized.total_bytes:
+            raise InvalidArgument(f"offset {offset} is outside the payload of {optimized.total_bytes} bytes")
+        self.metrics.fetches.inc()
+        return record, optimized
+
+    async def _rebuild(self, record: AdapterRecord) -> OptimizedAdapter:
+        src = await asyncio.to_thread(self.resolver.resolve, record.source)
+        _, optimized = await asyncio.to_thread(self._build, src, "rebuild")
+        if optimized.digest != record.digest:
+            raise DataLoss(f"adapter {record.adapter_id!r}: its source {record.source} now optimizes to digest "
+                           f"{optimized.digest}, not the registered {record.digest}; the checkpoint "
+                           "changed since registration (re-register it with overwrite)")
+        self.cache.put(record.adapter_id, optimized, record)
+        self._cache_gauges()
+        return optimized
+
+
+def encode_page_token(last_id: str) -> str:
+    return base64.urlsafe_b64encode(last_id.encode()).decode()
+
+
+def decode_page_token(token: str) -> str:
+    if not token:
+        return ""
+    try:
+        after = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
+        check_adapter_id(after)
+    except (binascii.Error, UnicodeDecodeError, ValueError, InvalidArgument):
+        raise InvalidArgument("page_token is malformed (pass next_page_token of the previous page)") from None
+    return after

@@ -1,0 +1,233 @@
+"""Client side of AdapterStore.FetchAdapter: rebuild an optimized adapter from its stream.
+
+The stream is one manifest then data chunks covering [offset, total_bytes). Chunks are written
+straight into one uint8 buffer (pinned when CUDA is available, so the worker can copy it to the
+GPU asynchronously; or a buffer the caller preallocated and reuses); the tensors are views into
+that buffer. Given a channel rather than a stub, chunks are decoded by clients/chunk_codec.py and
+copied once, from the received message into the buffer. A stream that breaks is
+resumed from the bytes already received (the request carries the manifest's digest, so a
+re-registered adapter cannot be spliced in). The sha256 of the buffer must equal the manifest's
+digest, else DataLossError.
+
+    with grpc.insecure_channel(addr) as ch:
+        adapter = fetch_adapter(ch, "my-adapter")   # or a store_pb2_grpc.AdapterStoreStub(ch)
+        a = adapter.tensors["layers.0.qkv.lora_a"]   # [3, r, hidden]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from loraserve.v1 import store_pb2
+
+from clients.adapter_layout import DTYPES, LAYOUT_VERSION
+from clients.chunk_codec import decode_response
+from clients.payload import TORCH_DTYPES, tensor_view
+
+# A broken stream ends with one of these; anything else (NOT_FOUND, ...) is the server's answer.
+FETCH_METHOD = "/loraserve.v1.AdapterStore/FetchAdapter"
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
+
+
+class FetchError(Exception):
+    """The stream violated the FetchAdapter contract (or could not be completed)."""
+
+
+class DataLossError(FetchError):
+    """The rebuilt payload does not hash to the manifest's digest."""
+
+
+@dataclass
+class FetchedAdapter:
+    manifest: store_pb2.AdapterManifest
+    buffer: torch.Tensor  # [total_bytes] uint8
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # views into buffer
+
+    @property
+    def adapter_id(self) -> str:
+        return self.manifest.adapter.adapter_id
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.digest
+
+    @property
+    def rank(self) -> int:
+        return self.manifest.rank
+
+
+class AdapterDownload:
+    """State of one download; keep it to resume later with `fetch_adapter(..., download=d)`."""
+
+    def __init__(self, adapter_id: str, *, pin_memory: bool | None = None,
+                 buffer: torch.Tensor | None = None) -> None:
+        """buffer: an optional preallocated 1-D uint8 tensor to fill (its first total_bytes are used)."""
+        self.adapter_id = adapter_id
+        self.manifest: store_pb2.AdapterManifest | None = None
+        self._given = buffer
+        self.buffer: torch.Tensor | None = None
+        self.received = 0  # bytes [0, received) are in buffer
+        self._np: np.ndarray | None = None
+        self._hasher = hashlib.sha256()  # over [0, received): chunks arrive in order, hashing overlaps receiving
+        self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+
+    def request(self, digest: str = "") -> store_pb2.FetchAdapterRequest:
+        want = self.manifest.digest if self.manifest is not None else digest
+        return store_pb2.FetchAdapterRequest(adapter_id=self.adapter_id, offset=self.received, digest=want)
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None and self.received == self.manifest.total_bytes
+
+    def on_message(self, msg: store_pb2.FetchAdapterResponse) -> None:
+        kind = msg.WhichOneof("payload")
+        if kind == "manifest":
+            self._on_manifest(msg.manifest)
+        elif kind == "chunk":
+            self._write(msg.chunk.offset, msg.chunk.data)
+        else:
+            raise FetchError("FetchAdapter message carries neither manifest nor chunk")
+
+    def on_raw(self, raw: bytes) -> None:
+        """One serialized FetchAdapterResponse (the channel path)."""
+        try:
+            decoded = decode_response(raw)
+        except ValueError as exc:
+            raise FetchError(f"malformed FetchAdapter message: {exc}") from exc
+        if isinstance(decoded, tuple):
+            self._write(*decoded)
+        else:
+            self.on_message(decoded)
+
+    def _on_manifest(self, m: store_pb2.AdapterManifest) -> None:
+        if self.manifest is not None:
+            if (m.digest, m.total_bytes) != (self.manifest.digest, self.manifest.total_bytes):
+                raise FetchError(f"adapter {self.adapter_id!r} changed while resuming "
+                                 f"(digest {self.manifest.digest} -> {m.digest})")
+            return
+        if m.layout_version != LAYOUT_VERSION:
+            raise FetchError(f"layout version {m.layout_version} is not supported (expected {LAYOUT_VERSION})")
+        for t in m.tensors:
+            itemsize = TORCH_DTYPES[t.dtype].itemsize if t.dtype in TORCH_DTYPES else 0
+            nbytes = int(np.prod(t.shape, dtype=np.int64)) * itemsize
+            if t.dtype not in DTYPES or t.nbytes != nbytes or t.offset < 0 or t.offset + t.nbytes > m.total_bytes:
+                raise FetchError(f"manifest entry {t.name!r} is inconsistent ({t.dtype}, {list(t.shape)}, "
+                                 f"offset {t.offset}, {t.nbytes} bytes of {m.total_bytes})")
+        self.manifest = m
+        if self._given is not None:
+            if self._given.dtype != torch.uint8 or self._given.dim() != 1 or self._given.numel() < m.total_bytes \
+                    or self._given.device.type != "cpu":
+                raise FetchError(f"the given buffer cannot hold {m.total_bytes} bytes (1-D CPU uint8 needed)")
+            self.buffer = self._given[:m.total_bytes]
+        else:
+            self.buffer = torch.empty(m.total_bytes, dtype=torch.uint8, pin_memory=self._pin)
+        self._np = self.buffer.numpy()
+
+    def _write(self, offset: int, data: bytes | memoryview) -> None:
+        if self.manifest is None or self._np is None:
+            raise FetchError("data chunk before the manifest")
+        n = len(data)
+        if offset != self.received or offset + n > self.manifest.total_bytes:
+            raise FetchError(f"chunk at offset {offset} (+{n}) does not continue at {self.received} "
+                             f"within {self.manifest.total_bytes} bytes")
+        self._np[offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
+        self._hasher.update(data)
+        self.received += n
+
+    def finish(self) -> FetchedAdapter:
+        """Check the digest and build the tensor views."""
+        assert self.manifest is not None and self.buffer is not None and self._np is not None
+        actual = self._hasher.hexdigest()
+        if actual != self.manifest.digest:
+            raise DataLossError(f"adapter {self.adapter_id!r}: payload sha256 {actual} does not match "
+                                f"the manifest digest {self.manifest.digest}")
+        tensors = {t.name: tensor_view(self.buffer, t) for t in self.manifest.tensors}
+        return FetchedAdapter(self.manifest, self.buffer, tensors)
+
+
+def _retryable(exc: grpc.RpcError) -> bool:
+    code = exc.code() if hasattr(exc, "code") else None
+    return code in RETRYABLE
+
+
+def _backoff(attempt: int) -> float:
+    """Seconds before resume attempt `attempt` (1, 2, ...): 50 ms doubling, at most 2 s."""
+    return min(0.05 * 2 ** (attempt - 1), 2.0)
+
+
+def _stream(target: Any) -> tuple[Any, bool]:
+    """(FetchAdapter callable, raw?) for a channel (raw bytes, decoded here) or a generated stub."""
+    if isinstance(target, (grpc.Channel, grpc.aio.Channel)):
+        return target.unary_stream(FETCH_METHOD, request_serializer=store_pb2.FetchAdapterRequest.SerializeToString,
+                                   response_deserializer=None), True
+    return target.FetchAdapter, False
+
+
+def _after_attempt(d: AdapterDownload, exc: grpc.RpcError | None, attempts: int,
+                   max_retries: int) -> tuple[FetchedAdapter | None, int]:
+    """After one streaming attempt: (the adapter, attempts) when complete, else (None, attempts + 1)
+    to resume after _backoff(attempts + 1). Re-raises a final RpcError; FetchError once retries are spent."""
+    if exc is not None and (not _retryable(exc) or attempts >= max_retries):
+        raise exc
+    if d.complete:
+        return d.finish(), attempts
+    attempts += 1
+    if attempts > max_retries:
+        raise FetchError(f"stream of {d.adapter_id!r} ended at byte {d.received} after {attempts} attempts")
+    return None, attempts
+
+
+def fetch_adapter(target, adapter_id: str, *, digest: str = "", download: AdapterDownload | None = None,
+                  max_retries: int = 3, timeout: float | None = None,
+                  metadata: Sequence[tuple[str, str]] | None = None,
+                  pin_memory: bool | None = None, buffer: torch.Tensor | None = None) -> FetchedAdapter:
+    """Fetch through a sync channel (fastest) or `AdapterStoreStub`; resumes a broken stream up to
+    max_retries times. digest: expected digest (FAILED_PRECONDITION from the store when it differs)."""
+    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
+    call, raw = _stream(target)
+    handle = d.on_raw if raw else d.on_message
+    attempts = 0
+    while True:
+        error: grpc.RpcError | None = None
+        try:
+            if not d.complete:
+                for msg in call(d.request(digest), timeout=timeout, metadata=metadata):
+                    handle(msg)
+        except grpc.RpcError as exc:
+            error = exc
+        fetched, attempts = _after_attempt(d, error, attempts, max_retries)
+        if fetched is not None:
+            return fetched
+        time.sleep(_backoff(attempts))
+
+
+async def fetch_adapter_async(target, adapter_id: str, *, digest: str = "",
+                              download: AdapterDownload | None = None, max_retries: int = 3,
+                              timeout: float | None = None, metadata: Sequence[tuple[str, str]] | None = None,
+                              pin_memory: bool | None = None, buffer: torch.Tensor | None = None) -> FetchedAdapter:
+    """Fetch through a grpc.aio channel (fastest) or an asyncio `AdapterStoreStub`."""
+    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
+    call, raw = _stream(target)
+    handle = d.on_raw if raw else d.on_message
+    attempts = 0
+    while True:
+        error: grpc.RpcError | None = None
+        try:
+            if not d.complete:
+                async for msg in call(d.request(digest), timeout=timeout, metadata=metadata):
+                    handle(msg)
+        except grpc.RpcError as exc:
+            error = exc
+        fetched, attempts = _after_attempt(d, error, attempts, max_retries)
+        if fetched is not None:
+            return fetched
+        await asyncio.sleep(_backoff(attempts))

@@ -1,0 +1,56 @@
+"""Opening a gRPC channel to a loraserve service (plain or TLS, sync or asyncio) and the bearer
+token metadata its calls carry."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+Options = Sequence[tuple[str, object]]
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The `authorization: Bearer <token>` call metadata; None without a token."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def _credentials(tls: bool, root_certificates: bytes | str | Path | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting root_certificates (PEM bytes or a file), the system roots when only tls
+    is set, None for a plain channel."""
+    if not tls and root_certificates is None:
+        return None
+    if isinstance(root_certificates, (str, Path)):
+        root_certificates = Path(root_certificates).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+def open_channel(address: str, *, tls: bool = False, root_certificates: bytes | str | Path | None = None,
+                 options: Options = ()) -> grpc.Channel:
+    """A sync channel, TLS when tls is set or root certificates are given."""
+    creds = _credentials(tls, root_certificates)
+    return (grpc.secure_channel(address, creds, options=options) if creds
+            else grpc.insecure_channel(address, options=options))
+
+
+def open_aio_channel(address: str, *, tls: bool = False, root_certificates: bytes | str | Path | None = None,
+                     options: Options = ()) -> grpc.aio.Channel:
+    """The grpc.aio twin of open_channel."""
+    creds = _credentials(tls, root_certificates)
+    return (grpc.aio.secure_channel(address, creds, options=options) if creds
+            else grpc.aio.insecure_channel(address, options=options))
+
+
+def bind_port(server: grpc.aio.Server, host: str, port: int, tls_cert: str | None = None,
+              tls_key: str | None = None) -> int:
+    """Listen on host:port (port 0 picks one), with TLS when a certificate and key are given; -> the bound port."""
+    address = f"{host}:{port}"
+    if tls_cert and tls_key:
+        creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    return bound

@@ -1,0 +1,175 @@
+"""Adapter-aware routing across inference workers.
+
+A request goes to the worker that already holds its adapter, so a fleet of N workers serves far
+more adapters than one worker's slots without thrashing them:
+
+    1. workers holding the adapter in a GPU slot, least loaded first;
+    2. workers holding it in the CPU cache, least loaded first;
+    3. otherwise rendezvous (highest-random-weight) hashing of the adapter id over live workers, so
+       each adapter has a stable home and adapters spread evenly; base requests go to the least
+       loaded worker.
+
+Residency and load come from each worker's ListAdapters and GetWorkerInfo, cached for `refresh_s`.
+A worker that answers UNAVAILABLE is skipped for `down_s` and the request is retried on the next
+candidate (a stream only while it has produced nothing).
+
+    router = WorkerRouter(["10.0.0.1:50061", "10.0.0.2:50061"])
+    router = WorkerRouter(discover_workers("redis://redis:6379/0"))   # the fleet's live workers
+    print(router.generate("Hello", adapter_id="support-bot", max_tokens=20).text)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from loraserve.v1 import worker_pb2
+
+from clients.worker_client import Delta, Generation, WorkerClient
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass
+class WorkerView:
+    """What the router last saw of one worker."""
+
+    address: str
+    client: WorkerClient
+    load: int = 0  # running + waiting sequences
+    gpu: set[str] = field(default_factory=set)  # adapter ids in GPU slots
+    cpu: set[str] = field(default_factory=set)  # adapter ids in the CPU cache
+    seen_at: float = float("-inf")
+    down_until: float = float("-inf")
+
+
+def discover_workers(redis_url: str, prefix: str = "loraserve:") -> list[str]:
+    """Addresses of the workers whose heartbeat is alive in Redis. Workers keep the set
+    `{prefix}workers` of their ids and, per id, `{prefix}worker:{id}` = JSON {"address", ...}
+    with a TTL, so an expired key means a gone worker."""
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=2, decode_responses=True)
+    try:
+        ids: list[str] = sorted(client.smembers(prefix + "workers"))  # type: ignore[arg-type]
+        raws = client.mget([prefix + "worker:" + w for w in ids]) if ids else []
+    finally:
+        client.close()
+    return [json.loads(raw)["address"] for raw in raws if raw is not None]
+
+
+def _base_id(adapter_id: str) -> str:
+    return adapter_id.split("@", 1)[0]
+
+
+def _weight(adapter_id: str, address: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{adapter_id}\0{address}".encode()).digest()[:8], "big")
+
+
+class WorkerRouter:
+    def __init__(self, addresses: Sequence[str], *, refresh_s: float = 2.0, down_s: float = 5.0,
+                 token: str | None = None, tls_ca: str | None = None, timeout: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not addresses:
+            raise ValueError("a router needs at least one worker address")
+        self.refresh_s, self.down_s, self._clock = refresh_s, down_s, clock
+        self._lock = threading.Lock()
+        self.workers = [WorkerView(a, WorkerClient(a, token=token, tls_ca=tls_ca, timeout=timeout))
+                        for a in dict.fromkeys(addresses)]
+
+    def _refresh(self, w: WorkerView, now: float) -> None:
+        try:
+            info = w.client.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=2.0)
+            listed = w.client.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=2.0)
+        except grpc.RpcError as exc:
+            if exc.code() in _RETRYABLE or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                w.down_until = now + self.down_s
+            w.seen_at = now
+            return
+        w.load = info.num_running + info.num_waiting
+        w.gpu = {a.adapter_id for a in listed.adapters if a.tier == worker_pb2.ADAPTER_TIER_GPU}
+        w.cpu = {a.adapter_id for a in listed.adapters if a.tier == worker_pb2.ADAPTER_TIER_CPU}
+        w.seen_at = now
+
+    def candidates(self, adapter_id: str = "") -> list[WorkerView]:
+        """Live workers in the order this request should try them."""
+        now = self._clock()
+        with self._lock:
+            for w in self.workers:
+                if now - w.seen_at >= self.refresh_s and now >= w.down_until:
+                    self._refresh(w, now)
+            live = [w for w in self.workers if now >= w.down_until] or list(self.workers)
+        aid = _base_id(adapter_id)
+        if not aid:
+            return sorted(live, key=lambda w: w.load)
+
+        def rank(w: WorkerView) -> tuple[int, int, int]:
+            tier = 0 if aid in w.gpu else 1 if aid in w.cpu else 2
+            # held somewhere: least loaded holder first; held nowhere: the adapter's stable home
+            return (tier, w.load if tier < 2 else 0, -_weight(aid, w.address))
+
+        return sorted(live, key=rank)
+
+    def pick(self, adapter_id: str = "") -> str:
+        return self.candidates(adapter_id)[0].address
+
+    def _mark_down(self, w: WorkerView) -> None:
+        with self._lock:
+            w.down_until = self._clock() + self.down_s
+
+    def _note_use(self, w: WorkerView, adapter_id: str) -> None:
+        aid = _base_id(adapter_id)
+        if aid:
+            with self._lock:
+                w.gpu.add(aid)
+
+    def generate(self, prompt: str | Sequence[int], *, adapter_id: str = "", **kw) -> Generation:
+        last: grpc.RpcError | None = None
+        for w in self.candidates(adapter_id):
+            try:
+                out = w.client.generate(prompt, adapter_id=adapter_id, **kw)
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise
+                self._mark_down(w)
+                last = exc
+                continue
+            self._note_use(w, adapter_id)
+            return out
+        assert last is not None
+        raise last
+
+    def generate_stream(self, prompt: str | Sequence[int], *, adapter_id: str = "", **kw) -> Iterator[Delta]:
+        last: grpc.RpcError | None = None
+        for w in self.candidates(adapter_id):
+            started = False
+            try:
+                for delta in w.client.generate_stream(prompt, adapter_id=adapter_id, **kw):
+                    started = True
+                    yield delta
+            except grpc.RpcError as exc:
+                if started or exc.code() not in _RETRYABLE:
+                    raise
+                self._mark_down(w)
+                last = exc
+                continue
+            self._note_use(w, adapter_id)
+            return
+        assert last is not None
+        raise last
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.client.close()
+
+    def __enter__(self) -> WorkerRouter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

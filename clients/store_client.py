@@ -1,0 +1,135 @@
+"""Typed clients of the AdapterStore service, sync (`StoreClient`) and asyncio (`AsyncStoreClient`).
+
+    with StoreClient("127.0.0.1:50051", token="secret") as store:
+        info = store.register("my-adapter", "s3://adapters/my-adapter")
+        for a in store.list():          # pages through ListAdapters
+            print(a.adapter_id, a.rank)
+        adapter = store.fetch("my-adapter")   # tensors rebuilt from the stream, digest checked
+
+Failures surface as grpc.RpcError with the store's status code and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
+
+from clients.channel import bearer_metadata, open_aio_channel, open_channel
+
+if TYPE_CHECKING:
+    from clients.adapter_fetch import FetchedAdapter
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+def _options(tls_server_name: str | None) -> list[tuple[str, object]]:
+    opts: list[tuple[str, object]] = list(CHANNEL_OPTIONS)
+    if tls_server_name:
+        opts.append(("grpc.ssl_target_name_override", tls_server_name))
+    return opts
+
+
+class StoreClient:
+    def __init__(self, address: str, *, token: str | None = None, tls: bool = False,
+                 root_certificates: bytes | str | Path | None = None, tls_server_name: str | None = None,
+                 timeout: float | None = 60.0) -> None:
+        self.channel = open_channel(address, tls=tls, root_certificates=root_certificates,
+                                    options=_options(tls_server_name))
+        self.stub = store_pb2_grpc.AdapterStoreStub(self.channel)
+        self.timeout = timeout
+        self._md = bearer_metadata(token)
+
+    def register(self, adapter_id: str, source: str, overwrite: bool = False) -> adapter_pb2.AdapterInfo:
+        req = store_pb2.RegisterAdapterRequest(adapter_id=adapter_id, source=source, overwrite=overwrite)
+        return self.stub.RegisterAdapter(req, timeout=self.timeout, metadata=self._md)
+
+    def get(self, adapter_id: str) -> adapter_pb2.AdapterInfo:
+        return self.stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id=adapter_id), timeout=self.timeout,
+                                    metadata=self._md)
+
+    def list_page(self, page_size: int = 0, page_token: str = "") -> store_pb2.ListAdaptersResponse:
+        req = store_pb2.ListAdaptersRequest(page_size=page_size, page_token=page_token)
+        return self.stub.ListAdapters(req, timeout=self.timeout, metadata=self._md)
+
+    def list(self, page_size: int = 0) -> Iterator[adapter_pb2.AdapterInfo]:
+        token = ""
+        while True:
+            page = self.list_page(page_size, token)
+            yield from page.adapters
+            token = page.next_page_token
+            if not token:
+                return
+
+    def delete(self, adapter_id: str) -> adapter_pb2.AdapterInfo:
+        req = store_pb2.DeleteAdapterRequest(adapter_id=adapter_id)
+        return self.stub.DeleteAdapter(req, timeout=self.timeout, metadata=self._md).adapter
+
+    def fetch(self, adapter_id: str, digest: str = "", pin_memory: bool | None = None) -> FetchedAdapter:
+        from clients.adapter_fetch import fetch_adapter  # torch: loaded by fetching clients only
+
+        return fetch_adapter(self.channel, adapter_id, digest=digest, timeout=self.timeout, metadata=self._md,
+                             pin_memory=pin_memory)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncStoreClient:
+    def __init__(self, address: str, *, token: str | None = None, tls: bool = False,
+                 root_certificates: bytes | str | Path | None = None, tls_server_name: str | None = None,
+                 timeout: float | None = 60.0) -> None:
+        self.channel = open_aio_channel(address, tls=tls, root_certificates=root_certificates,
+                                        options=_options(tls_server_name))
+        self.stub = store_pb2_grpc.AdapterStoreStub(self.channel)
+        self.timeout = timeout
+        self._md = bearer_metadata(token)
+
+    async def register(self, adapter_id: str, source: str, overwrite: bool = False) -> adapter_pb2.AdapterInfo:
+        req = store_pb2.RegisterAdapterRequest(adapter_id=adapter_id, source=source, overwrite=overwrite)
+        return await self.stub.RegisterAdapter(req, timeout=self.timeout, metadata=self._md)
+
+    async def get(self, adapter_id: str) -> adapter_pb2.AdapterInfo:
+        return await self.stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id=adapter_id),
+                                          timeout=self.timeout, metadata=self._md)
+
+    async def list_page(self, page_size: int = 0, page_token: str = "") -> store_pb2.ListAdaptersResponse:
+        req = store_pb2.ListAdaptersRequest(page_size=page_size, page_token=page_token)
+        return await self.stub.ListAdapters(req, timeout=self.timeout, metadata=self._md)
+
+    async def list(self, page_size: int = 0) -> AsyncIterator[adapter_pb2.AdapterInfo]:
+        token = ""
+        while True:
+            page = await self.list_page(page_size, token)
+            for a in page.adapters:
+                yield a
+            token = page.next_page_token
+            if not token:
+                return
+
+    async def delete(self, adapter_id: str) -> adapter_pb2.AdapterInfo:
+        req = store_pb2.DeleteAdapterRequest(adapter_id=adapter_id)
+        return (await self.stub.DeleteAdapter(req, timeout=self.timeout, metadata=self._md)).adapter
+
+    async def fetch(self, adapter_id: str, digest: str = "", pin_memory: bool | None = None) -> FetchedAdapter:
+        from clients.adapter_fetch import fetch_adapter_async  # torch: loaded by fetching clients only
+
+        return await fetch_adapter_async(self.channel, adapter_id, digest=digest, timeout=self.timeout,
+                                         metadata=self._md, pin_memory=pin_memory)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

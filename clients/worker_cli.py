@@ -1,0 +1,117 @@
+"""`loraserve generate` (stream a completion to the terminal) and `loraserve slots` (a worker's
+adapters: list, load, unload, pin, unpin)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import grpc
+from loraserve.v1 import worker_pb2
+
+from clients.router import WorkerRouter, discover_workers
+from clients.tables import format_table
+from clients.worker_client import WorkerClient
+
+
+def generate_main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="loraserve generate", description="Generate text through a worker.")
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--worker", default=os.environ.get("LORASERVE_WORKER", "127.0.0.1:50052"),
+                   help="worker address host:port, or several separated by commas (routed by adapter)")
+    p.add_argument("--redis-url", default=None,
+                   help="route across the live workers of the fleet registered in this Redis instead")
+    p.add_argument("--redis-prefix", default=os.environ.get("LORASERVE_REDIS_PREFIX", "loraserve:"))
+    p.add_argument("--adapter", default="", help="adapter id (optionally id@digest); empty = base model")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--token", default=os.environ.get("LORASERVE_GENERATE_TOKEN"), help="bearer token")
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle for a TLS worker")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--usage", action="store_true", help="print token counts and timings at the end")
+    args = p.parse_args(list(argv or []))
+    try:
+        addresses = (discover_workers(args.redis_url, args.redis_prefix) if args.redis_url else
+                     [a.strip() for a in args.worker.split(",") if a.strip()])
+    except Exception as exc:  # noqa: BLE001 - any Redis failure ends the command with its reason
+        print(f"loraserve generate: cannot discover workers: {exc}", file=sys.stderr)
+        return 1
+    if not addresses:
+        print("loraserve generate: no live worker", file=sys.stderr)
+        return 1
+    try:
+        client = (WorkerClient(addresses[0], token=args.token, tls_ca=args.tls_ca) if len(addresses) == 1 else
+                  WorkerRouter(addresses, token=args.token, tls_ca=args.tls_ca))
+        with client:
+            for delta in client.generate_stream(
+                    args.prompt, adapter_id=args.adapter, max_tokens=args.max_tokens,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    stop=args.stop, ignore_eos=args.ignore_eos, timeout=args.timeout):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                if delta.usage is not None:
+                    sys.stdout.write("\n")
+                    if args.usage:
+                        u = delta.usage
+                        print(f"[{delta.finish_reason}] prompt {u.prompt_tokens} tokens, completion "
+                              f"{u.completion_tokens} tokens, queue {u.queue_time_ms:.1f} ms, "
+                              f"first token {u.time_to_first_token_ms:.1f} ms, total {u.total_time_ms:.1f} ms",
+                              file=sys.stderr)
+    except grpc.RpcError as exc:
+        print(f"loraserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+_TIER_NAMES = {worker_pb2.ADAPTER_TIER_GPU: "gpu", worker_pb2.ADAPTER_TIER_CPU: "cpu",
+               worker_pb2.ADAPTER_TIER_LOADING: "loading"}
+
+
+def format_residency(adapters: Sequence[worker_pb2.WorkerAdapter]) -> str:
+    header = ("ID", "TIER", "SLOT", "PINNED", "RANK", "BYTES", "REQUESTS", "TOKENS", "RUNNING", "LAST USED", "DIGEST")
+    rows = [(a.adapter_id, _TIER_NAMES.get(a.tier, "-"), str(a.slot) if a.slot >= 0 else "-",
+             "yes" if a.pinned else "no", str(a.rank), str(a.size_bytes), str(a.num_requests),
+             str(a.num_tokens), str(a.num_running),
+             a.last_used.ToDatetime().strftime("%H:%M:%S") if a.last_used.seconds else "-",
+             a.digest[:12]) for a in adapters]
+    return format_table(header, rows)
+
+
+def slots_main(argv: Sequence[str] | None = None) -> int:
+    """`loraserve slots`: what one worker holds, and the admin verbs that change it."""
+    p = argparse.ArgumentParser(prog="loraserve slots",
+                                description="List, load, unload, pin or unpin the adapters a worker holds.")
+    p.add_argument("action", nargs="?", default="list", choices=("list", "load", "unload", "pin", "unpin"))
+    p.add_argument("adapter_id", nargs="?", metavar="ID", help="adapter id (all actions but list)")
+    p.add_argument("--tier", choices=("gpu", "cpu"), default="gpu", help="tier to load into")
+    p.add_argument("--worker", default=os.environ.get("LORASERVE_WORKER", "127.0.0.1:50052"),
+                   help="worker address host:port")
+    p.add_argument("--token", default=os.environ.get("LORASERVE_ADMIN_TOKEN"), help="admin bearer token")
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle for a TLS worker")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    args = p.parse_args(list(argv or []))
+    if args.action != "list" and not args.adapter_id:
+        p.error(f"{args.action} needs an adapter ID")
+    try:
+        with WorkerClient(args.worker, admin_token=args.token, tls_ca=args.tls_ca, timeout=args.timeout) as w:
+            if args.action == "list":
+                held = w.list_adapters()
+                print(format_residency(held))
+                print(f"{len(held)} adapter(s)")
+            elif args.action == "load":
+                print(format_residency([w.load_adapter(args.adapter_id, args.tier)]))
+            elif args.action == "unload":
+                print(f"{args.adapter_id}: {'unloaded' if w.unload_adapter(args.adapter_id) else 'not held'}")
+            else:
+                print(format_residency([w.pin_adapter(args.adapter_id, args.action == "pin")]))
+    except grpc.RpcError as exc:
+        print(f"loraserve slots: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0

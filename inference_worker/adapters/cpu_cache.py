@@ -1,0 +1,59 @@
+"""The CPU tier: optimized payloads (pinned memory on CUDA hosts) bounded by a count and a byte
+budget, least recently used first out."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from inference_worker.lora.payload import AdapterPayload
+
+
+class CpuCache:
+    def __init__(self, max_adapters: int, max_bytes: int) -> None:
+        if max_adapters < 1 or max_bytes < 1:
+            raise ValueError("the CPU cache needs room for at least one adapter")
+        self.max_adapters, self.max_bytes = max_adapters, max_bytes
+        self._entries: OrderedDict[str, AdapterPayload] = OrderedDict()
+        self.nbytes = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def get(self, key: str) -> AdapterPayload | None:
+        """The payload under `key`, marked most recently used."""
+        payload = self._entries.get(key)
+        if payload is not None:
+            self._entries.move_to_end(key)
+        return payload
+
+    def peek(self, key: str) -> AdapterPayload | None:
+        return self._entries.get(key)
+
+    def put(self, payload: AdapterPayload) -> list[str]:
+        """Insert (as most recently used) and evict LRU entries past the budgets; returns the keys
+        evicted. A payload larger than the whole byte budget is refused with ValueError."""
+        if payload.nbytes > self.max_bytes:
+            raise ValueError(f"adapter {payload.adapter_id} needs {payload.nbytes} bytes, over the CPU "
+                             f"cache budget of {self.max_bytes}")
+        self.remove(payload.key)
+        self._entries[payload.key] = payload
+        self.nbytes += payload.nbytes
+        evicted = []
+        while len(self._entries) > self.max_adapters or self.nbytes > self.max_bytes:
+            key, old = self._entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+            evicted.append(key)
+        return evicted
+
+    def remove(self, key: str) -> bool:
+        old = self._entries.pop(key, None)
+        if old is None:
+            return False
+        self.nbytes -= old.nbytes
+        return True

@@ -1,0 +1,48 @@
+"""Prometheus metrics of the adapter tiers, registered on the worker's registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class AdapterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.registry = reg
+        self.loads = Counter(
+            "loraserve_worker_adapter_loads", "Adapter loads: tier=cpu is a fetch from the store into the "
+            "CPU cache, tier=gpu a copy into a GPU slot; result is ok or the failure's status code.",
+            ["tier", "result"], registry=reg)
+        self.load_seconds = Histogram(
+            "loraserve_worker_adapter_load_seconds", "Adapter load latency by tier.", ["tier"],
+            buckets=LOAD_BUCKETS, registry=reg)
+        self.evictions = Counter(
+            "loraserve_worker_adapter_evictions", "Adapters evicted from a tier to make room.", ["tier"],
+            registry=reg)
+        self.invalidations = Counter(
+            "loraserve_worker_adapter_invalidations", "Adapter versions dropped because the store "
+            "re-registered or deleted them.", registry=reg)
+        self.lookups = Counter(
+            "loraserve_worker_adapter_lookups", "Admission lookups by where the adapter was found "
+            "(gpu, cpu, miss).", ["result"], registry=reg)
+        self.slots_used = Gauge("loraserve_worker_adapter_slots_used", "GPU adapter slots holding an adapter.",
+                                registry=reg)
+        self.slots_total = Gauge("loraserve_worker_adapter_slots", "GPU adapter slots (max_loras).", registry=reg)
+        self.slots_pinned = Gauge("loraserve_worker_adapter_slots_pinned", "GPU adapter slots pinned.",
+                                  registry=reg)
+        self.cpu_adapters = Gauge("loraserve_worker_adapter_cpu_cached", "Adapters in the CPU cache.",
+                                  registry=reg)
+        self.cpu_bytes = Gauge("loraserve_worker_adapter_cpu_cache_bytes", "Bytes of the CPU cache.",
+                               registry=reg)
+
+    def register_on(self, registry: CollectorRegistry) -> None:
+        for c in (self.loads, self.load_seconds, self.evictions, self.invalidations, self.lookups,
+                  self.slots_used, self.slots_total, self.slots_pinned, self.cpu_adapters, self.cpu_bytes):
+            registry.register(c)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of one sample (tests and ListAdapters-style reporting)."""
+        v = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if v is None else float(v)

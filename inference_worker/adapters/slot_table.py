@@ -1,0 +1,81 @@
+"""The GPU tier's bookkeeping: which adapter version each slot holds, how many running
+sequences use it, when it was last used (cluster LRU clock), and which adapters are pinned.
+The weights themselves live in lora/slots.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SlotState:
+    index: int
+    key: str | None = None  # "id@digest"; None = free
+    adapter_id: str = ""
+    digest: str = ""
+    rank: int = 0
+    size_bytes: int = 0
+    running: int = 0  # sequences admitted with this slot and not finished
+    last_tick: int = 0  # LRU clock value at last use
+    stale: bool = False  # superseded at the store: admits nothing new, freed when running hits 0
+
+    @property
+    def free(self) -> bool:
+        return self.key is None
+
+
+class SlotTable:
+    def __init__(self, num_slots: int) -> None:
+        self.slots = [SlotState(i) for i in range(num_slots)]
+        self.by_key: dict[str, int] = {}  # live (non-stale) versions only
+        self.pins: set[str] = set()  # adapter ids
+
+    @property
+    def max_pins(self) -> int:
+        """At most max_loras - 1 pinned, so one slot always rotates for everything else."""
+        return len(self.slots) - 1
+
+    def lookup(self, key: str) -> SlotState | None:
+        i = self.by_key.get(key)
+        return None if i is None else self.slots[i]
+
+    def is_pinned(self, s: SlotState) -> bool:
+        return not s.stale and s.adapter_id in self.pins
+
+    def victim(self) -> SlotState | None:
+        """A free slot, else the least recently used one that no running sequence uses and that is
+        not pinned; None when every slot is busy or pinned."""
+        for s in self.slots:
+            if s.free:
+                return s
+        idle = [s for s in self.slots if s.running == 0 and not self.is_pinned(s)]
+        return min(idle, key=lambda s: s.last_tick) if idle else None
+
+    def assign(self, s: SlotState, key: str, adapter_id: str, digest: str, rank: int, size_bytes: int,
+               tick: int) -> None:
+        self.release_slot(s)
+        s.key, s.adapter_id, s.digest, s.rank, s.size_bytes = key, adapter_id, digest, rank, size_bytes
+        s.running, s.last_tick, s.stale = 0, tick, False
+        self.by_key[key] = s.index
+
+    def release_slot(self, s: SlotState) -> None:
+        if s.key is not None and self.by_key.get(s.key) == s.index:
+            del self.by_key[s.key]
+        s.key, s.adapter_id, s.digest, s.rank, s.size_bytes = None, "", "", 0, 0
+        s.running, s.stale = 0, False
+
+    def mark_stale(self, s: SlotState) -> None:
+        if s.key is not None and self.by_key.get(s.key) == s.index:
+            del self.by_key[s.key]
+        s.stale = True
+
+    def of_adapter(self, adapter_id: str) -> list[SlotState]:
+        return [s for s in self.slots if s.key is not None and s.adapter_id == adapter_id]
+
+    @property
+    def num_used(self) -> int:
+        return sum(1 for s in self.slots if not s.free)
+
+    @property
+    def num_pinned(self) -> int:
+        return sum(1 for s in self.slots if not s.free and self.is_pinned(s))

@@ -1,0 +1,140 @@
+"""The worker's one configuration object, filled from `loraserve worker --flags` and LORASERVE_* variables.
+
+Every field `name` has a flag `--name` (dashes) and a variable `LORASERVE_NAME`; a flag beats the
+variable, the variable beats the default. Invariants are checked at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clients.settings import config_from_args
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+_HELP = {
+    "model": "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)",
+    "host": "address to listen on",
+    "port": "port to listen on (0 picks a free one)",
+    "device": "cpu, cuda, cuda:N or auto (cuda when available)",
+    "dtype": "compute dtype; auto = bfloat16 on CUDA, float32 on CPU",
+    "max_num_seqs": "largest running batch",
+    "max_model_len": "largest prompt plus completion (0 = the model's max_position_embeddings, at most 8192)",
+    "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_mb": "KV cache budget in MiB (0 = auto: 256 MiB on CPU, 85%% of free memory on CUDA)",
+    "num_kv_blocks": "exact number of KV blocks (overrides kv_cache_mb)",
+    "max_queue_size": "waiting requests before RESOURCE_EXHAUSTED",
+    "default_max_tokens": "max_tokens when a request leaves it 0",
+    "cuda_graphs": "capture CUDA graphs for decode steps",
+    "max_loras": "GPU adapter slots",
+    "max_cpu_loras": "adapters kept in the CPU cache",
+    "max_lora_rank": "largest adapter rank accepted",
+    "max_cpu_lora_mb": "CPU cache budget for adapter payloads, in MiB",
+    "adapter_poll_interval_s": "seconds between checks of the store for re-registered or deleted adapters",
+    "store_address": "adapter store address host:port (adapters disabled when empty)",
+    "store_token": "bearer token sent to the store",
+    "store_tls_ca": "PEM CA bundle to verify the store's TLS certificate",
+    "redis_url": "Redis URL for coordination (in-process coordination when empty)",
+    "redis_prefix": "prefix of every Redis key",
+    "worker_id": "stable id of this worker (default: hostname-port)",
+    "advertise_address": "address other services reach this worker at (default host:port)",
+    "generate_token": "bearer token required by Generate/GenerateStream",
+    "admin_token": "bearer token required by LoadAdapter/UnloadAdapter/PinAdapter",
+    "tls_cert": "PEM certificate chain; serve TLS when set (with --tls-key)",
+    "tls_key": "PEM private key of --tls-cert",
+    "metrics_port": "serve Prometheus metrics on this port",
+    "grace_period_s": "seconds running generations get to finish on SIGTERM",
+    "log_level": "logging level",
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 50052
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int = 0
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_mb: int = 0
+    num_kv_blocks: int = 0
+    max_queue_size: int = 256
+    default_max_tokens: int = 16
+    cuda_graphs: bool = True
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 64
+    max_cpu_lora_mb: int = 8192
+    adapter_poll_interval_s: float = 2.0
+    store_address: str = ""
+    store_token: str | None = field(default=None, repr=False)
+    store_tls_ca: str | None = None
+    redis_url: str | None = None
+    redis_prefix: str = "loraserve:"
+    worker_id: str = ""
+    advertise_address: str = ""
+    generate_token: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    metrics_port: int | None = None
+    grace_period_s: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.model:
+            problems.append("model is required (a Hugging Face model directory)")
+        for name in ("port", "metrics_port"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 65535:
+                problems.append(f"{name} {v} is out of range")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            problems.append(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue_size", "default_max_tokens",
+                     "max_loras", "max_cpu_loras", "max_lora_rank", "max_cpu_lora_mb"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be positive")
+        for name in ("max_model_len", "kv_cache_mb", "num_kv_blocks"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            problems.append("block_size must be one of 8, 16, 32, 64, 128")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            problems.append("max_num_batched_tokens must be >= max_num_seqs (every running sequence decodes)")
+        if self.max_cpu_loras < self.max_loras:
+            problems.append("max_cpu_loras must be >= max_loras (every GPU-resident adapter is in the CPU cache)")
+        if self.max_lora_rank > 512:
+            problems.append("max_lora_rank must be <= 512")
+        if self.num_kv_blocks == 1:
+            problems.append("num_kv_blocks must be 0 (auto) or >= 2")
+        if self.grace_period_s < 0:
+            problems.append("grace_period_s must be >= 0")
+        if self.adapter_poll_interval_s <= 0:
+            problems.append("adapter_poll_interval_s must be > 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            problems.append("tls_cert and tls_key go together")
+        if problems:
+            raise ValueError("invalid worker configuration: " + "; ".join(problems))
+
+    def replace(self, **changes: Any) -> WorkerConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{self.port}"
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> WorkerConfig:
+        return config_from_args(cls, argv, env, prog="loraserve worker", description="Run an inference worker.",
+                                help=_HELP, required=("model",))

@@ -1,0 +1,212 @@
+"""Turns a scheduled batch into one model call: builds the `ForwardBatch`, owns the paged KV
+cache (allocated once), and replays CUDA graphs for decode-only steps at bucketed batch sizes."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from inference_worker.engine.adapter_hooks import AdapterManager
+from inference_worker.engine.scheduler import ScheduledBatch
+from inference_worker.engine.sequence import Sequence
+from inference_worker.model.forward_batch import ForwardBatch
+from inference_worker.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    cfg = model.config
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_model_len: int, use_cuda_graphs: bool, adapters: AdapterManager | None = None) -> None:
+        self.model, self.device = model, model.device
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
+        self.adapters = adapters
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # k_cache, v_cache per layer: [num_blocks, block_size, nkv, d]
+        self.kv_cache = torch.zeros((cfg.num_layers, 2, *shape), dtype=model.dtype, device=self.device)
+        for i, layer in enumerate(model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        if self.device.type == "cuda":
+            from inference_worker.model.decode_attention import paged_decode_attention
+
+            for layer in model.layers:
+                layer.self_attn.decode_attention = paged_decode_attention
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._base_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # base-only twins when graphs carry LoRA
+        # True when the graphs were captured with the adapters' LoRA path in them (an adapter
+        # manager installed later runs its steps eagerly)
+        self._graph_lora = adapters is not None and getattr(adapters, "supports_cuda_graphs", False)
+        if use_cuda_graphs and self.device.type == "cuda":
+            self._capture_graphs()
+
+    # ----------------------------------------------------------------------------- batch building
+    def build_batch(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[ForwardBatch, list[Sequence]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        query_start, ctx_lens, tables, seq_slots, token_slots = [0], [], [], [], []
+        logits_idx: list[int] = []
+        sample_seqs: list[Sequence] = []
+
+        for seq, n in sched.prefills:
+            start, table = seq.num_computed_tokens, seq.block_table
+            for p in range(start, start + n):
+                ids.append(seq.token_at(p))
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            token_slots.extend([seq.lora_slot] * n)
+            query_start.append(len(ids))
+            ctx_lens.append(start + n)
+            tables.append(table)
+            seq_slots.append(seq.lora_slot)
+            if start + n == seq.num_tokens:  # the chunk reaches the end: next-token logits needed
+                logits_idx.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        for seq in sched.decodes:  # one token each: the last one, not yet in the cache
+            p, table = seq.num_computed_tokens, seq.block_table
+            ids.append(seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            token_slots.append(seq.lora_slot)
+            logits_idx.append(len(ids) - 1)
+            query_start.append(len(ids))
+            ctx_lens.append(p + 1)
+            tables.append(table)
+            seq_slots.append(seq.lora_slot)
+        sample_seqs.extend(sched.decodes)
+        num_prefill_tokens = query_start[len(sched.prefills)]
+        width = max(len(t) for t in tables)  # graph replays copy into the first `width` columns
+        if pad_to:  # padding rows: token 0 at position 0 writing the reserved block 0
+            extra = pad_to - len(ids)
+            ids += [0] * extra
+            pos += [0] * extra
+            slots += [0] * extra
+            ctx_lens += [1] * extra
+            tables += [[0]] * extra
+            token_slots += [-1] * extra
+            logits_idx += list(range(len(logits_idx), pad_to))
+        n_tok, n_seq, n_log = len(ids), len(ctx_lens), len(logits_idx)
+        # two host buffers, one copy each: int64 [ids | pos | slots | logits_idx], int32 [ctx | slots | tables]
+        h64 = torch.tensor(ids + pos + slots + logits_idx, dtype=torch.int64)
+        flat = ctx_lens + token_slots
+        zeros = [0] * width
+        for t in tables:
+            flat += t
+            flat += zeros[: width - len(t)]
+        h32 = torch.tensor(flat, dtype=torch.int32)
+        if self.device.type == "cuda":
+            h64 = h64.pin_memory().to(self.device, non_blocking=True)
+            h32 = h32.pin_memory().to(self.device, non_blocking=True)
+        batch = ForwardBatch(
+            input_ids=h64[:n_tok], positions=h64[n_tok:2 * n_tok], slot_mapping=h64[2 * n_tok:3 * n_tok],
+            logits_indices=h64[3 * n_tok:3 * n_tok + n_log], context_lens=h32[:n_seq],
+            token_slots=h32[n_seq:n_seq + n_tok], block_tables=h32[n_seq + n_tok:].view(n_seq, width),
+            num_prefills=len(sched.prefills), num_prefill_tokens=num_prefill_tokens,
+            num_decodes=n_seq - len(sched.prefills), query_start=query_start,
+            context_lens_cpu=ctx_lens[: len(query_start) - 1], seq_slots=seq_slots,
+        )
+        return batch, sample_seqs
+
+    # ------------------------------------------------------------------------------- execution
+    @torch.inference_mode()
+    def execute(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs one step; -> (logits [N, V] float32, the N sequences they belong to)."""
+        n = len(sched.decodes)
+        bucket = next((b for b in self.graphs if b >= n), None) if not sched.prefills else None
+        if bucket is not None:
+            batch, sample_seqs = self.build_batch(sched, pad_to=bucket)
+            # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
+            # steps without adapter rows replay graphs without it
+            base_only = self.adapters is None or all(s < 0 for s in batch.seq_slots)
+            if base_only or self._graph_lora:
+                return self._replay(bucket, batch, lora=not base_only)[:n], sample_seqs
+        batch, sample_seqs = self.build_batch(sched, pad_to=None)
+        batch.lora = self._lora(batch)
+        hidden = self.model(batch)
+        return self.model.compute_logits(hidden[batch.logits_indices]), sample_seqs
+
+    def _lora(self, batch: ForwardBatch) -> object | None:
+        if self.adapters is None or all(s < 0 for s in batch.seq_slots):
+            return None
+        return self.adapters.build_lora_context(batch)
+
+    def set_adapters(self, adapters: AdapterManager | None) -> None:
+        """Install the adapter manager; decode graphs are captured again with its LoRA path."""
+        self.adapters = adapters
+        self._graph_lora = adapters is not None and getattr(adapters, "supports_cuda_graphs", False)
+        if self.graphs:
+            self.graphs, self._base_graphs = {}, {}
+            self._capture_graphs()
+
+    def _graph_lora_context(self, batch: ForwardBatch) -> object | None:
+        return self.adapters.build_lora_context(batch) if self.adapters is not None and self._graph_lora else None
+
+    # ------------------------------------------------------------------------------ CUDA graphs
+    def _capture_graphs(self) -> None:
+        sizes = [b for b in GRAPH_BATCH_SIZES if b <= self.max_num_seqs]
+        if self.max_num_seqs not in sizes and self.max_num_seqs < GRAPH_BATCH_SIZES[-1]:
+            sizes.append(self.max_num_seqs)
+        b_max = max(sizes)
+        dev = self.device
+        self._static = ForwardBatch(
+            input_ids=torch.zeros(b_max, dtype=torch.int64, device=dev),
+            positions=torch.zeros(b_max, dtype=torch.int64, device=dev),
+            slot_mapping=torch.zeros(b_max, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros((b_max, self.max_blocks_per_seq), dtype=torch.int32, device=dev),
+            context_lens=torch.ones(b_max, dtype=torch.int32, device=dev),
+            logits_indices=torch.arange(b_max, dtype=torch.int64, device=dev),
+            token_slots=torch.full((b_max,), -1, dtype=torch.int32, device=dev),
+        )
+        self._graph_out: dict[tuple[int, bool], torch.Tensor] = {}
+        pool = None
+        for b in sorted(sizes, reverse=True):
+            # with an adapter manager: one graph with the LoRA path, one without for base-only steps
+            for lora in (True, False) if self._graph_lora else (False,):
+                batch = self._static_view(b)
+                with torch.inference_mode():
+                    for _ in range(2):  # warm up (Triton autotune / compile) outside capture
+                        batch.lora = self._graph_lora_context(batch) if lora else None
+                        self.model.compute_logits(self.model(batch))
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool):
+                        batch.lora = self._graph_lora_context(batch) if lora else None
+                        self._graph_out[(b, lora)] = self.model.compute_logits(self.model(batch))
+                pool = g.pool()
+                (self.graphs if lora or not self._graph_lora else self._base_graphs)[b] = g
+        self.graphs = dict(sorted(self.graphs.items()))
+        log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
+
+    def _static_view(self, b: int) -> ForwardBatch:
+        s = self._static
+        return ForwardBatch(
+            input_ids=s.input_ids[:b], positions=s.positions[:b], slot_mapping=s.slot_mapping[:b],
+            block_tables=s.block_tables[:b], context_lens=s.context_lens[:b],
+            logits_indices=s.logits_indices[:b], token_slots=s.token_slots[:b], num_decodes=b,
+            query_start=list(range(b + 1)), context_lens_cpu=[1] * b,
+        )
+
+    def _replay(self, b: int, batch: ForwardBatch, lora: bool = False) -> torch.Tensor:
+        s = self._static
+        s.input_ids[:b].copy_(batch.input_ids)
+        s.positions[:b].copy_(batch.positions)
+        s.slot_mapping[:b].copy_(batch.slot_mapping)
+        # columns past this step's width keep stale ids: never read, the kernel stops at context_lens
+        s.block_tables[:b, : batch.block_tables.shape[1]].copy_(batch.block_tables)
+        s.context_lens[:b].copy_(batch.context_lens)
+        s.token_slots[:b].copy_(batch.token_slots)
+        lora = lora and self._graph_lora
+        (self.graphs[b] if lora or not self._graph_lora else self._base_graphs[b]).replay()
+        return self._graph_out[(b, lora)]

@@ -1,0 +1,131 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, in admission
+order: a decoding sequence takes 1 token, a prefilling one a chunk of what is left of its prompt,
+so a long prompt is spread over several steps while the others keep decoding. Then waiting
+sequences are admitted while the running set is below `max_num_seqs`, budget remains and their
+first chunk's KV blocks fit. The admission policy may decline a sequence (its adapter is not
+resident yet); the scan goes on past it, so one cold adapter blocks nobody. When a running sequence
+needs a block and none is free, the most recently admitted running sequence is preempted: its
+blocks are freed and it goes back to the head of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from inference_worker.engine.adapter_hooks import AdmissionPolicy
+from inference_worker.engine.block_manager import BlockManager
+from inference_worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    decodes: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # admission failed for good (seq.error)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, policy: AdmissionPolicy, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.blocks, self.policy = blocks, policy
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._preempted = False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            self.blocks.deallocate(seq)
+            self.policy.on_finished(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            self.blocks.deallocate(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.policy.on_finished(seq)
+        self.waiting.appendleft(seq)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+        """Make room for `seq` to hold `num_tokens`, preempting from the back; False if `seq` itself went."""
+        if len(seq.block_table) * self.blocks.block_size >= num_tokens:
+            return True  # the common decode step: room left in the last block
+        while not self.blocks.can_allocate(seq, num_tokens):
+            victims = [s for s in reversed(self.running) if s.seq_id not in scheduled]
+            victim = victims[0] if victims else seq
+            self._preempt(victim)
+            self._preempted = True
+            if victim is seq:
+                return False
+        self.blocks.allocate(seq, num_tokens)
+        return True
+
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        self._preempted = False
+        # decoding sequences first (1 token each), then chunks of the prefilling ones
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        ordered = decoding if len(decoding) == len(self.running) else \
+            decoding + [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in ordered:
+            if seq.status is not SequenceStatus.RUNNING or budget <= 0:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            scheduled.add(seq.seq_id)
+            if not self._reserve(seq, seq.num_computed_tokens + n, scheduled):
+                continue
+            budget -= n
+            self._place(out, seq, n)
+        if self._preempted:
+            return out
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs or budget <= 0:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                break  # memory is first come, first served
+            if not self.policy.can_admit(seq):
+                if seq.error is not None:
+                    out.failed.append(seq)
+                continue
+            self.waiting.remove(seq)
+            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.admitted_time is None:
+                seq.admitted_time = time.monotonic()
+            self.running.append(seq)
+            self.policy.on_admitted(seq)
+            budget -= n
+            self._place(out, seq, n)
+        return out
+
+    @staticmethod
+    def _place(out: ScheduledBatch, seq: Sequence, n: int) -> None:
+        if seq.num_uncomputed_tokens == 1:
+            out.decodes.append(seq)
+        else:
+            out.prefills.append((seq, n))

@@ -1,0 +1,130 @@
+"""One request as the engine tracks it: tokens, sampling parameters, KV blocks, timings."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inference_worker.engine.text_stream import TextStream
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    queue_time_ms: float
+    time_to_first_token_ms: float
+    total_time_ms: float
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request, delivered to its `on_output` callback."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: Exception | None = None
+    adapter_id: str = ""
+    adapter_digest: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None]
+    text_stream: TextStream
+    adapter_id: str = ""  # "" = base model; passed through untouched ("id@digest" allowed)
+    deadline: float | None = None  # time.monotonic() deadline, None = none
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    # set by the adapter manager at admission: GPU slot (-1 = base) and the version's digest
+    lora_slot: int = -1
+    adapter_digest: str = ""
+    error: Exception | None = None  # set when admission failed for good (e.g. adapter load)
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    sent_token_count: int = 0  # output tokens already delivered
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model: 1 while decoding, more while (re)prefilling
+        (after a preemption the generated tokens are recomputed with the prompt)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def usage(self, now: float) -> Usage:
+        admitted = self.admitted_time if self.admitted_time is not None else now
+        first = self.first_token_time if self.first_token_time is not None else now
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=len(self.output_token_ids),
+            queue_time_ms=(admitted - self.arrival_time) * 1e3,
+            time_to_first_token_ms=(first - self.arrival_time) * 1e3,
+            total_time_ms=(now - self.arrival_time) * 1e3,
+        )

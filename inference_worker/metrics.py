@@ -1,0 +1,47 @@
+"""Prometheus metrics of one worker, in their own registry (several workers may share a process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class WorkerMetrics:
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("loraserve_worker_requests", "Generate requests by method and status code",
+                                ["method", "code"], registry=r)
+        self.prompt_tokens = Counter("loraserve_worker_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generated_tokens = Counter("loraserve_worker_generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("loraserve_worker_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.queue_time = Histogram("loraserve_worker_queue_time_seconds", "Arrival to admission",
+                                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=r)
+        Gauge("loraserve_worker_queue_depth", "Requests waiting for admission",
+              registry=r).set_function(lambda: engine.num_waiting)
+        Gauge("loraserve_worker_running_sequences", "Sequences in the running batch",
+              registry=r).set_function(lambda: engine.num_running)
+        Gauge("loraserve_worker_kv_free_blocks", "Free KV cache blocks",
+              registry=r).set_function(lambda: engine.num_free_blocks)
+        self._server: Any = None  # prometheus_client's WSGIServer once serving
+
+    def observe_finished(self, usage) -> None:
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generated_tokens.inc(usage.completion_tokens)
+        if usage.completion_tokens:
+            self.ttft.observe(usage.time_to_first_token_ms / 1e3)
+        self.queue_time.observe(usage.queue_time_ms / 1e3)
+
+    def serve(self, host: str, port: int) -> int:
+        from prometheus_client import start_http_server
+
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

@@ -1,0 +1,130 @@
+"""Paged decode attention as a Triton kernel (split over the context, then a reduction).
+
+Semantics (same as attention.decode_attention_reference):
+    for b, head hq (kv head h = hq // group):
+        out[b, hq] = softmax(q[b, hq] @ K[b, :len_b, h].T * scale) @ V[b, :len_b, h]
+    with K[b, p] = k_cache[block_tables[b, p // bs], p % bs].
+
+Pass 1, grid (B, num_kv_heads, max_parts): each program covers PART tokens of one sequence for all
+query heads of one KV head (rows padded to >= 16 for tl.dot), keeping the running max, sum and
+weighted values (online softmax) and writing them to fp32 scratch. Programs past the sequence's
+length exit at once. Pass 2, grid (B, num_kv_heads), merges the parts. Context lengths are read on
+the device, so one launch shape serves every step (CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PART = 512
+TILE = 64
+
+
+@triton.jit
+def _decode_part_kernel(Q, K, V, BT, CL, M, L, ACC, scale,
+                        s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_mb, s_mh, s_mp,
+                        GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                        PART_: tl.constexpr, TILE_: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx = tl.load(CL + b)
+    start = part * PART_
+    if start < ctx:
+        end = tl.minimum(start + PART_, ctx)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        gmask = offs_g < GROUP
+        q = tl.load(Q + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
+                    mask=gmask[:, None], other=0.0)
+        m = tl.full([GP], -1e30, tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for t0 in range(start, end, TILE_):
+            offs_t = t0 + tl.arange(0, TILE_)
+            tmask = offs_t < end
+            blk = tl.load(BT + b * s_btb + offs_t // BS, mask=tmask, other=0).to(tl.int64)
+            base = blk * s_kb + (offs_t % BS) * s_ks + h * s_kh
+            k = tl.load(K + base[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+            if IEEE:  # float32 caches: exact products, not TF32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s.to(tl.float32) * scale  # [GP, TILE]
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, 1)
+            v = tl.load(V + base[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
+            m = m_new
+        mo = b * s_mb + h * s_mh + part * s_mp + offs_g
+        tl.store(M + mo, m)
+        tl.store(L + mo, lsum)
+        tl.store(ACC + mo[:, None] * D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _decode_reduce_kernel(M, L, ACC, CL, Out, s_mb, s_mh, s_mp, s_ob, s_oh,
+                          GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PART_: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(CL + b)
+    num_parts = tl.cdiv(ctx, PART_)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    m = tl.full([GP], -1e30, tl.float32)
+    lsum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for part in range(0, num_parts):
+        mo = b * s_mb + h * s_mh + part * s_mp + offs_g
+        mp = tl.load(M + mo)
+        lp = tl.load(L + mo)
+        ap = tl.load(ACC + mo[:, None] * D + offs_d[None, :])
+        m_new = tl.maximum(m, mp)
+        a_old = tl.exp(m - m_new)
+        a_new = tl.exp(mp - m_new)
+        lsum = lsum * a_old + lp * a_new
+        acc = acc * a_old[:, None] + ap * a_new[:, None]
+        m = m_new
+    out = acc / lsum[:, None]
+    gmask = offs_g < GROUP
+    tl.store(Out + b * s_ob + (h * GROUP + offs_g)[:, None] * s_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=gmask[:, None])
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q: [B, nh, d], k_cache/v_cache: [num_blocks, bs, nkv, d], block_tables: [B, max_blocks] int32,
+    context_lens: [B] int32 (each >= 1) -> out [B, nh, d]."""
+    b, nh, d = q.shape
+    _, bs, nkv, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
+    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+    assert d & (d - 1) == 0 and d >= 16, "head_dim must be a power of two >= 16"
+    q = q.contiguous()
+    block_tables = block_tables.contiguous()
+    group = nh // nkv
+    gp = max(16, triton.next_power_of_2(group))
+    max_parts = triton.cdiv(block_tables.shape[1] * bs, PART)
+    m = torch.empty((b, nkv, max_parts, gp), dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    acc = torch.empty((b, nkv, max_parts, gp, d), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _decode_part_kernel[(b, nkv, max_parts)](
+        q, k_cache, v_cache, block_tables, context_lens, m, lsum, acc, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), m.stride(0), m.stride(1), m.stride(2),
+        GROUP=group, GP=gp, D=d, BS=bs, PART_=PART, TILE_=TILE, IEEE=q.dtype == torch.float32, num_warps=4)
+    _decode_reduce_kernel[(b, nkv)](
+        m, lsum, acc, context_lens, out, m.stride(0), m.stride(1), m.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, GP=gp, D=d, PART_=PART, num_warps=4)
+    return out

@@ -1,0 +1,42 @@
+"""One projection per adapter-layout group (clients/adapter_layout.py GROUPS): qkv (q|k|v fused),
+o, gate_up (gate|up fused), down. The LoRA code attaches an object to `lora` by (layer, group);
+its `apply(x, y, ctx_lora)` adds the per-row adapter delta to `y` in place."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from inference_worker.model.forward_batch import ForwardBatch
+
+
+class LoraDelta(Protocol):
+    def apply(self, x: torch.Tensor, y: torch.Tensor, ctx_lora: object) -> None:
+        """x: [T, in_features], y: [T, out_total]; y += delta of each row's adapter."""
+
+
+class GroupedLinear(nn.Module):
+    def __init__(self, layer: int, group: str, in_features: int, out_sizes: list[int], bias: bool,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.layer, self.group = layer, group
+        self.in_features, self.out_sizes = in_features, list(out_sizes)
+        out_total = sum(out_sizes)
+        self.weight = nn.Parameter(torch.empty(out_total, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out_total, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+        self.lora: LoraDelta | None = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, in] -> y: [T, sum(out_sizes)]
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and batch.lora is not None:
+            self.lora.apply(x, y, batch.lora)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, group={self.group}, in={self.in_features}, out={self.out_sizes}"

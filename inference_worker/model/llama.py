@@ -1,0 +1,132 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes) over a flat token batch.
+
+Projections are the adapter-layout groups: self_attn.qkv, self_attn.o, mlp.gate_up, mlp.down
+(`grouped_linears()` lists them by (layer, group) for the LoRA code to attach to).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from inference_worker.model.attention import Attention
+from inference_worker.model.config import ModelConfig, rope_inv_freq
+from inference_worker.model.forward_batch import ForwardBatch
+from inference_worker.model.linear import GroupedLinear
+from inference_worker.model.rope import rope_cache
+
+
+def use_fused_kernels(device: torch.device | str) -> bool:
+    """The Triton fused kernels serve CUDA devices; CPU runs the plain-torch twins."""
+    return torch.device(device).type == "cuda"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
+        self.fused = use_fused_kernels(device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, hidden] -> (norm(x + residual), x + residual); normalised in float32."""
+        if self.fused:
+            from inference_worker.model.fused_ops import rms_norm
+
+            y, r = rms_norm(x, self.weight, self.eps, residual)
+            return y, (r if r is not None else x)
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype), x
+
+
+class MLP(nn.Module):
+    def __init__(self, layer: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = GroupedLinear(layer, "gate_up", hidden, [intermediate, intermediate], False, dtype, device)
+        self.down = GroupedLinear(layer, "down", intermediate, [hidden], False, dtype, device)
+        self.fused = use_fused_kernels(device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate_up = self.gate_up(x, batch)  # [T, 2I]
+        if self.fused:
+            from inference_worker.model.fused_ops import silu_mul
+
+            return self.down(silu_mul(gate_up), batch)
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up, batch)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, layer: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias,
+                                   dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(layer, h, cfg.intermediate_size, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input delta, residual: the stream so far (None at layer 0) -> (delta, stream)."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, batch), residual)
+        return self.mlp(h, batch), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, h, dtype=dtype, device=device),
+                                         requires_grad=False)
+        # a ModuleList, typed as what it holds
+        self.layers: list[DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
+            DecoderLayer(i, cfg, dtype, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else
+                        nn.Parameter(torch.empty(cfg.vocab_size, h, dtype=dtype, device=device),
+                                     requires_grad=False))
+        self.cos_sin: torch.Tensor  # [max_positions, head_dim] cos | sin
+        self.register_buffer("cos_sin", rope_cache(rope_inv_freq(cfg), cfg.max_position_embeddings, device),
+                             persistent=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> hidden states [T, hidden] after the final norm."""
+        x = F.embedding(batch.input_ids, self.embed_tokens)
+        cos_sin = self.cos_sin[batch.positions]  # [T, d]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos_sin, batch)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> logits [N, vocab] float32
+        return F.linear(hidden, self.lm_head).float()
+
+    def grouped_linears(self) -> dict[tuple[int, str], GroupedLinear]:
+        out: dict[tuple[int, str], GroupedLinear] = {}
+        for i, layer in enumerate(self.layers):
+            for mod in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+                out[(i, mod.group)] = mod
+        return out
+
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights in place on the model's device (benchmarks: no checkpoint needed)."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=g)

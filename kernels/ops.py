@@ -1,0 +1,94 @@
+"""Public LoRA ops: Triton on CUDA tensors, the plain-torch twin (kernels.reference) elsewhere.
+
+`backend` picks explicitly: "triton" also runs on CPU tensors when TRITON_INTERPRET=1 was set before
+the kernels were imported (the Triton interpreter); "reference" always runs the torch twin.
+Arguments are checked here, once, before either backend runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+from kernels.batch import LoRABatch
+from kernels.checks import check_add_lora, check_expand, check_shrink, check_slice_limit
+
+BACKENDS = ("triton", "reference")
+
+
+def _backend(t: object, backend: str | None) -> ModuleType:
+    if backend is None:
+        backend = "triton" if isinstance(t, torch.Tensor) and t.is_cuda else "reference"
+    if backend == "reference":
+        return reference
+    if backend != "triton":
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if isinstance(t, torch.Tensor) and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before import")
+    from kernels import triton_ops
+
+    return triton_ops
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, in] fp16/bf16/fp32
+    lora_a: torch.Tensor,  # [L, S, R, in], x's dtype
+    ranks: torch.Tensor,  # [L] int32, rank of each slot for this module group (0 = unused)
+    batch: LoRABatch,
+    out: torch.Tensor,  # [S, T, R] fp32
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Semantics: out[i, t, :r] = x[t] @ A[slot[t], i, :r].T, fp32 accumulation, r = ranks[slot[t]].
+
+    Written only for rows with slot >= 0 and only its first r columns; returns out."""
+    impl = _backend(x, backend)
+    check_shrink(x, lora_a, ranks, batch, out)
+    return impl.lora_shrink(x, lora_a, ranks, batch, out)
+
+
+def lora_expand(
+    s: torch.Tensor,  # [S, T, R] fp32 from lora_shrink
+    lora_b: torch.Tensor,  # [L, N, R], y's dtype
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],  # S+1 host ints: slice i owns columns o_i:o_{i+1} of N
+    y: torch.Tensor,  # [T, N]
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Semantics: y[t, o_i:o_{i+1}] += s[i, t, :r] @ B[slot[t], o_i:o_{i+1}, :r].T (in place).
+
+    Rows with slot -1 are untouched; returns y."""
+    impl = _backend(s, backend)
+    offsets = check_expand(s, lora_b, ranks, batch, slice_offsets, y)
+    if impl is not reference:
+        check_slice_limit(len(offsets) - 1, impl.MAX_SLICES)
+    return impl.lora_expand(s, lora_b, ranks, batch, offsets, y)
+
+
+def add_lora(
+    y: torch.Tensor,  # [T, N]
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [L, S, R, in]
+    lora_b: torch.Tensor,  # [L, N, R]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],
+    buffer: torch.Tensor | None = None,  # fp32 workspace; default batch.workspace
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Semantics: y[t, o_i:o_{i+1}] += (x[t] @ A[slot[t], i, :r].T) @ B[slot[t], o_i:o_{i+1}, :r].T.
+
+    Shrink then expand; the intermediate lives in `buffer` (or the batch's workspace), so nothing is
+    allocated. Returns y."""
+    impl = _backend(x, backend)
+    _, num_slices, _, offsets = check_add_lora(y, x, lora_a, lora_b, ranks, batch, slice_offsets)
+    if impl is not reference:
+        check_slice_limit(num_slices, impl.MAX_SLICES)
+    return impl.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, buffer)

@@ -1,0 +1,90 @@
+"""Plain-torch twins of the LoRA ops: same signatures and semantics, used off-CUDA and as test oracle.
+Called through kernels.ops, which checks the arguments first.
+
+They loop over the slots present in the batch (a host synchronization per call), compute in float32
+and read only A[slot, i, :r] and B[slot, :, :r], r = ranks[slot], never the padding past the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import pairwise
+
+import torch
+
+from kernels.batch import LoRABatch
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [L, S, R, in]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    out: torch.Tensor,  # [S, T, R] fp32
+) -> torch.Tensor:
+    """Semantics: out[i, t, :r] = x[t] @ A[slot[t], i, :r].T for rows with slot >= 0 (r = ranks[slot])."""
+    _shrink(x, lora_a, ranks.tolist(), batch.rows_by_slot(), out)
+    return out
+
+
+def lora_expand(
+    s: torch.Tensor,  # [S, T, R] fp32
+    lora_b: torch.Tensor,  # [L, N, R]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],  # S+1 offsets into N
+    y: torch.Tensor,  # [T, N]
+) -> torch.Tensor:
+    """Semantics: y[t, o_i:o_i+1] += s[i, t, :r] @ B[slot[t], o_i:o_i+1, :r].T for rows with slot >= 0."""
+    _expand(s, lora_b, ranks.tolist(), batch.rows_by_slot(), list(slice_offsets), y)
+    return y
+
+
+def add_lora(
+    y: torch.Tensor,  # [T, N]
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [L, S, R, in]
+    lora_b: torch.Tensor,  # [L, N, R]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],
+    buffer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Semantics: y[t, o_i:o_i+1] += (x[t] @ A[slot[t], i, :r].T) @ B[slot[t], o_i:o_i+1, :r].T.
+
+    `buffer` is accepted for the Triton signature and ignored: the intermediate is a freshly
+    allocated [S, T, R] float32 tensor."""
+    num_tokens = x.shape[0]
+    _, num_slices, max_rank, _ = lora_a.shape
+    rows_by_slot = batch.rows_by_slot()
+    rank_list = ranks.tolist()
+    s = torch.empty((num_slices, num_tokens, max_rank), dtype=torch.float32, device=x.device)
+    _shrink(x, lora_a, rank_list, rows_by_slot, s)
+    _expand(s, lora_b, rank_list, rows_by_slot, list(slice_offsets), y)
+    return y
+
+
+def _shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, ranks: list[int], rows_by_slot: dict[int, torch.Tensor],
+    out: torch.Tensor,
+) -> None:
+    for slot, rows in rows_by_slot.items():
+        r = ranks[slot]
+        if r <= 0:
+            continue
+        xs = x[rows].float()  # [n, in]
+        for i in range(lora_a.shape[1]):
+            out[i, rows, :r] = xs @ lora_a[slot, i, :r].float().T  # [n, r]
+
+
+def _expand(
+    s: torch.Tensor, lora_b: torch.Tensor, ranks: list[int], rows_by_slot: dict[int, torch.Tensor],
+    offsets: list[int], y: torch.Tensor,
+) -> None:
+    for slot, rows in rows_by_slot.items():
+        r = ranks[slot]
+        if r <= 0:
+            continue
+        for i, (lo, hi) in enumerate(pairwise(offsets)):
+            delta = s[i, rows, :r] @ lora_b[slot, lo:hi, :r].float().T  # [n, hi - lo]
+            y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)

@@ -1,0 +1,147 @@
+"""The CPU cache (LRU by count and by bytes, rebuild on miss, digest re-check) and single flight."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from loraserve.v1 import store_pb2_grpc
+
+from clients.adapter_fetch import fetch_adapter
+from tests.adapter_store import bad_checkpoints as bad
+from tests.adapter_store.test_bad_inputs import expect_error, register
+
+
+def _value(store, name: str, labels: dict | None = None) -> float:
+    return store.service.metrics.value(name, labels)
+
+
+def test_eviction_by_count_then_refetch(start_store) -> None:
+    store = start_store(cache_max_adapters=2)
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        infos = {n: register(stub, n, n) for n in ("peft-qv-r8", "peft-patterns", "peft-subset-layer1")}
+        assert _value(store, "loraserve_store_cache_evictions_total") == 1
+        assert "peft-qv-r8" not in store.service.cache and len(store.service.cache) == 2
+        assert fetch_adapter(stub, "peft-qv-r8").digest == infos["peft-qv-r8"].digest
+        assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 1
+        assert _value(store, "loraserve_store_cache_misses_total") == 1
+        fetch_adapter(stub, "peft-qv-r8")  # now cached again: a hit, no build
+        assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 1
+        assert _value(store, "loraserve_store_cache_hits_total") == 1
+        assert "peft-patterns" not in store.service.cache  # the least recently used went
+
+
+def test_eviction_by_bytes(start_store) -> None:
+    store = start_store(cache_max_bytes=12_000)  # one qv r8 adapter (10 KiB) fits, two do not
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        a = register(stub, "a", "peft-qv-r8")
+        register(stub, "b", "peft-qv-r8")
+        assert a.size_bytes == 10240 and store.service.cache.bytes == 10240
+        assert "a" not in store.service.cache and "b" in store.service.cache
+        assert _value(store, "loraserve_store_cache_evictions_total") == 1
+        # larger than the whole budget: served, never cached
+        big = register(stub, "big", "peft-all-r16-rslora")
+        assert "big" not in store.service.cache and "b" in store.service.cache
+        for _ in range(2):
+            assert fetch_adapter(stub, "big").digest == big.digest
+        assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 2
+        assert fetch_adapter(stub, "a").digest == a.digest
+
+
+def test_changed_source_is_data_loss(start_store, adapter_root: Path) -> None:
+    bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "mutable")
+    store = start_store(cache_max_adapters=1)
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "mutable", "mutable")
+        register(stub, "other", "peft-patterns")  # evicts "mutable"
+        name = bad.first_name(adapter_root / "mutable", "lora_B.weight")
+        bad.edit_tensors(adapter_root / "mutable", lambda t: t.__setitem__(name, t[name] * 2))
+        expect_error(lambda: fetch_adapter(stub, "mutable"), grpc.StatusCode.DATA_LOSS,
+                     "'mutable'", info.digest, "changed since registration")
+        assert fetch_adapter(stub, "other").rank == 8
+        fixed = register(stub, "mutable", "mutable", overwrite=True)
+        assert fixed.digest != info.digest and fetch_adapter(stub, "mutable").digest == fixed.digest
+
+
+def test_single_flight_registration(start_store) -> None:
+    store = start_store()
+    service = store.service
+
+    async def many():
+        return await asyncio.gather(*[service.register("same", "peft-patterns", False) for _ in range(8)])
+
+    records = store.call(many())
+    assert len({r.digest for r in records}) == 1
+    assert _value(store, "loraserve_store_builds_total", {"reason": "register"}) == 1
+    assert _value(store, "loraserve_store_registrations_total", {"outcome": "ok"}) == 8
+
+
+def test_single_flight_fetch_after_eviction(start_store) -> None:
+    store = start_store()
+    service = store.service
+    digest = store.call(service.register("x", "peft-all-r16-rslora", False)).digest
+    service.cache.drop("x")
+
+    async def many():
+        return await asyncio.gather(*[service.open_fetch("x", 0, "") for _ in range(8)])
+
+    results = store.call(many())
+    assert {o.digest for _, o in results} == {digest}
+    assert len({id(o.payload) for _, o in results}) == 1
+    assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 1
+    # callers that looked after the rebuild finished find it cached: hits + misses = 8, one build
+    hits, misses = _value(store, "loraserve_store_cache_hits_total"), _value(store, "loraserve_store_cache_misses_total")
+    assert hits + misses == 8 and misses >= 1 and len(service.flight) == 0
+
+
+def test_concurrent_grpc_fetches_share_one_rebuild(start_store) -> None:
+    store = start_store()
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-all-r16-rslora")
+    store.service.cache.drop("x")
+
+    async def many():
+        async with grpc.aio.insecure_channel(store.address) as ch:
+            from clients.adapter_fetch import fetch_adapter_async
+
+            stub = store_pb2_grpc.AdapterStoreStub(ch)
+            return await asyncio.gather(*[fetch_adapter_async(stub, "x") for _ in range(6)])
+
+    fetched = asyncio.run(many())
+    assert all(torch.equal(f.buffer, fetched[0].buffer) and f.digest == info.digest for f in fetched)
+    assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 1
+    assert _value(store, "loraserve_store_fetch_bytes_total") == 6 * info.size_bytes
+
+
+@pytest.mark.parametrize("count,budget", [(1, 1 << 30), (8, 15_000)])
+def test_cache_bounds_hold(start_store, count: int, budget: int) -> None:
+    store = start_store(cache_max_adapters=count, cache_max_bytes=budget)
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        for i in range(4):
+            register(stub, f"a{i}", "peft-qv-r8")
+            assert len(store.service.cache) <= count and store.service.cache.bytes <= budget
+        assert _value(store, "loraserve_store_cache_bytes") == store.service.cache.bytes
+
+
+def test_registration_queue_is_bounded(start_store) -> None:
+    from adapter_store.errors import ResourceExhausted
+
+    store = start_store(max_pending_registrations=1)
+    service = store.service
+
+    async def two():
+        return await asyncio.gather(service.register("a", "peft-qv-r8", False),
+                                    service.register("b", "peft-patterns", False), return_exceptions=True)
+
+    first, second = store.call(two())
+    assert first.adapter_id == "a"
+    assert isinstance(second, ResourceExhausted) and "in flight" in second.message
+    assert store.call(service.register("b", "peft-patterns", False)).adapter_id == "b"

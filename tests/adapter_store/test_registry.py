@@ -1,0 +1,108 @@
+"""The registry survives a restart of the store (SQLite file, Redis), and both registries keep
+the same contract: atomic put with overwrite, delete, paged listing in id order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from loraserve.v1 import store_pb2, store_pb2_grpc
+
+from adapter_store.errors import AlreadyExists
+from adapter_store.registry import AdapterRecord, SqliteRegistry
+from clients.adapter_fetch import fetch_adapter
+from tests.adapter_store.test_bad_inputs import register
+
+
+def _record(adapter_id: str, digest: str = "d" * 64) -> AdapterRecord:
+    return AdapterRecord(adapter_id=adapter_id, source=adapter_id, digest=digest, rank=8, lora_alpha=16.0,
+                         use_rslora=False, target_modules=["q_proj"], dtype="bfloat16", size_bytes=10,
+                         base_model="", layout_version=1, num_tensors=2, rank_pattern={"v_proj": 4})
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+def registry(request, tmp_path: Path):
+    if request.param == "sqlite":
+        reg = SqliteRegistry(tmp_path / "r.sqlite3")
+    else:
+        from adapter_store.registry_redis import RedisRegistry
+
+        url = request.getfixturevalue("redis_url")
+        reg = RedisRegistry(url, request.getfixturevalue("redis_prefix"))
+    yield reg
+    reg.close()
+
+
+def test_registry_contract(registry) -> None:
+    assert registry.put(_record("b"), overwrite=False) is None
+    with pytest.raises(AlreadyExists, match="'b' already exists"):
+        registry.put(_record("b", "e" * 64), overwrite=False)
+    old = registry.put(_record("b", "e" * 64), overwrite=True)
+    assert old is not None and old.digest == "d" * 64
+    assert registry.get("b").digest == "e" * 64 and registry.get("b").rank_pattern == {"v_proj": 4}
+    for i in "acdef":
+        registry.put(_record(i), overwrite=False)
+    page, total = registry.list("", 4)
+    assert [r.adapter_id for r in page] == ["a", "b", "c", "d"] and total == 6
+    page, total = registry.list("d", 4)
+    assert [r.adapter_id for r in page] == ["e", "f"]
+    assert registry.delete("c").adapter_id == "c" and registry.delete("c") is None
+    assert registry.get("c") is None and registry.list("", 10)[1] == 5
+
+
+@pytest.mark.redis
+def test_redis_events_and_prefix(redis_url: str, redis_prefix: str) -> None:
+    import redis
+
+    from adapter_store.registry_redis import RedisRegistry
+
+    reg = RedisRegistry(redis_url, redis_prefix)
+    reg.put(_record("x"), overwrite=False)
+    reg.put(_record("x", "f" * 64), overwrite=True)
+    reg.delete("x")
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    events = [fields for _, fields in client.xrange(f"{redis_prefix}events")]
+    assert events == [{"event": "replaced", "adapter_id": "x", "digest": "f" * 64},
+                      {"event": "deleted", "adapter_id": "x"}]
+    assert all(k.startswith(redis_prefix) for k in client.scan_iter(match=f"{redis_prefix}*"))
+    client.close()
+    reg.close()
+
+
+def _restart_roundtrip(start_store, first: dict, second: dict) -> None:
+    store = start_store(**first)
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        infos = {n: register(stub, n, n) for n in ("peft-qv-r8", "peft-patterns")}
+    store.stop()
+    store = start_store(**second)
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        listed = stub.ListAdapters(store_pb2.ListAdaptersRequest())
+        assert [a.adapter_id for a in listed.adapters] == sorted(infos)
+        for name, info in infos.items():
+            assert stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id=name)) == info
+            assert fetch_adapter(stub, name).digest == info.digest  # rebuilt from source after restart
+
+
+def test_sqlite_registry_survives_restart(start_store) -> None:
+    _restart_roundtrip(start_store, {}, {})
+
+
+@pytest.mark.redis
+def test_redis_registry_survives_restart(start_store, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    cfg = {"redis_url": redis_url, "redis_prefix": redis_prefix}
+    # a different data dir the second time: the adapters can only come from Redis
+    _restart_roundtrip(start_store, {**cfg, "data_dir": str(tmp_path / "one")}, {**cfg, "data_dir": str(tmp_path / "two")})
+
+
+def test_redis_unreachable_is_unavailable() -> None:
+    from adapter_store.errors import Unavailable
+    from adapter_store.registry_redis import RedisRegistry
+    from tests.conftest import free_port
+
+    reg = RedisRegistry(f"redis://127.0.0.1:{free_port()}/0", "loraserve-test:")
+    with pytest.raises(Unavailable, match="registry \\(Redis\\) unreachable"):
+        reg.get("x")
+    reg.close()

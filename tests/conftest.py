@@ -1,0 +1,52 @@
+"""Fixtures shared by every test package: the tiny base model, free ports, a Redis URL."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from inference_worker.model.tiny import TinyLlamaSpec, write_tiny_llama
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint in HF layout (2 layers, hidden 64, GQA 4/2 heads)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), TinyLlamaSpec())
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """A real Redis server; tests use DB 15 and their own key prefix, and clean up."""
+    url = os.environ.get("LORASERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    try:
+        import redis
+
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    except Exception as exc:  # noqa: BLE001 - any failure means no server to test against
+        pytest.skip(f"no Redis server at {url}: {exc}")
+    return url
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str):
+    """A key prefix of this test's own; every key under it is deleted afterwards."""
+    import uuid
+
+    import redis
+
+    prefix = f"loraserve-test-{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(match=prefix + "*"))
+    if keys:
+        r.delete(*keys)
+    r.close()

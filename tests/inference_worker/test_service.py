@@ -1,0 +1,256 @@
+"""The InferenceWorker service through real grpc.aio servers on port 0 and the generated stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from loraserve.v1 import worker_pb2, worker_pb2_grpc
+
+from clients.worker_cli import generate_main
+from clients.worker_client import AsyncWorkerClient, WorkerClient, build_request
+from tests.helpers.tls import self_signed_cert
+from tests.inference_worker.conftest import stub_for
+
+PROMPTS = ["Hello world.", "The quick brown fox jumps over the lazy dog.", "Once", "0123456789 + - * /",
+           "Each worker keeps the most recently used adapters in GPU slots and the rest in a CPU cache.",
+           "loraserve serves many low-rank adapters", "Every request in a batch may use its own adapter;",
+           "The adapter store fetches checkpoints,"]
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_generate_and_stream_agree(worker) -> None:
+    with WorkerClient(worker.address) as w:
+        full = w.generate("Hello world.", max_tokens=20, ignore_eos=True)
+        deltas = list(w.generate_stream("Hello world.", max_tokens=20, ignore_eos=True))
+    assert len(full.token_ids) == 20 and full.finish_reason == "length"
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids
+    assert "".join(d.text for d in deltas) == full.text
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    u = deltas[-1].usage
+    assert u.prompt_tokens == full.usage.prompt_tokens > 0 and u.completion_tokens == 20
+    assert 0 <= u.queue_time_ms <= u.time_to_first_token_ms <= u.total_time_ms
+
+
+def test_concurrent_streams_match_alone(worker) -> None:
+    requests = [build_request(p, max_tokens=8 + 5 * i, ignore_eos=True) for i, p in enumerate(PROMPTS * 2)]
+    stub = stub_for(worker.address)
+    alone = [list(stub.Generate(r, timeout=30).token_ids) for r in requests]
+
+    async def run() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            s = worker_pb2_grpc.InferenceWorkerStub(ch)
+
+            async def one(r) -> list[int]:
+                return [t async for m in s.GenerateStream(r, timeout=60) for t in m.token_ids]
+
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    together = asyncio.run(run())
+    assert together == alone
+    assert wait_for(lambda: worker.engine.idle)
+
+
+def test_seeded_sampling_over_grpc(worker) -> None:
+    with WorkerClient(worker.address) as w:
+        kw = dict(max_tokens=16, temperature=0.8, top_p=0.9, top_k=40, seed=7, ignore_eos=True)
+        a, b = w.generate(PROMPTS[1], **kw), w.generate(PROMPTS[1], **kw)
+        c = w.generate(PROMPTS[1], **{**kw, "seed": 8})
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_prompt_token_ids_and_stop_strings(worker) -> None:
+    with WorkerClient(worker.address) as w:
+        full = w.generate(PROMPTS[0], max_tokens=30, ignore_eos=True)
+        ids = w.generate([int(t) for t in stub_tokens(worker, PROMPTS[0])], max_tokens=30, ignore_eos=True)
+        assert ids.token_ids == full.token_ids
+        stop = full.text[5:9]
+        assert len(stop) == 4
+        cut = w.generate(PROMPTS[0], max_tokens=30, ignore_eos=True, stop=[stop])
+        streamed = "".join(d.text for d in w.generate_stream(PROMPTS[0], max_tokens=30, ignore_eos=True,
+                                                              stop=[stop]))
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)] == streamed
+
+
+def stub_tokens(worker, text: str) -> list[int]:
+    return worker.engine.tokenizer.encode(text).ids
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (worker_pb2.SamplingParams(temperature=-1.0), "temperature"),
+    (worker_pb2.SamplingParams(temperature=float("inf")), "temperature"),
+    (worker_pb2.SamplingParams(temperature=float("nan")), "temperature"),
+    (worker_pb2.SamplingParams(top_p=1.5), "top_p"),
+    (worker_pb2.SamplingParams(top_k=-2), "top_k"),
+    (worker_pb2.SamplingParams(max_tokens=-3), "max_tokens"),
+])
+def test_bad_sampling_values(worker, sampling, message) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub_for(worker.address).Generate(worker_pb2.GenerateRequest(prompt="hi", sampling=sampling), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
+
+def test_over_long_prompt_and_empty_prompt(worker) -> None:
+    stub = stub_for(worker.address)
+    max_len = worker.engine.config.max_model_len
+    for req in (worker_pb2.GenerateRequest(prompt_token_ids=[5] * max_len),
+                worker_pb2.GenerateRequest(prompt="hi", sampling=worker_pb2.SamplingParams(max_tokens=max_len)),
+                worker_pb2.GenerateRequest(prompt=""),
+                worker_pb2.GenerateRequest(prompt_token_ids=[1, 99999])):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.GenerateStream(req, timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.Generate(worker_pb2.GenerateRequest(prompt="still serving"), timeout=10).token_ids
+
+
+def test_cancel_mid_stream_frees_blocks(worker) -> None:
+    engine = worker.engine
+    start = engine.num_free_blocks
+    stub = stub_for(worker.address)
+    call = stub.GenerateStream(build_request(PROMPTS[4], max_tokens=1000, ignore_eos=True), timeout=60)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 3:
+            break
+    assert engine.num_running == 1 and engine.num_free_blocks < start
+    call.cancel()
+    assert wait_for(lambda: engine.num_free_blocks == start and engine.idle)
+
+
+def test_deadline_expiry_frees_blocks(worker) -> None:
+    engine = worker.engine
+    start = engine.num_free_blocks
+    with pytest.raises(grpc.RpcError) as err:
+        stub_for(worker.address).Generate(build_request(PROMPTS[4], max_tokens=1000, ignore_eos=True), timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: engine.num_free_blocks == start and engine.idle)
+
+
+def test_queue_full(start_worker) -> None:
+    bg = start_worker(max_num_seqs=1, max_num_batched_tokens=16, max_queue_size=1)
+    stub = stub_for(bg.address)
+    first = stub.GenerateStream(build_request(PROMPTS[0], max_tokens=1000, ignore_eos=True), timeout=60)
+    next(iter(first))  # running now
+    second = stub.Generate.future(build_request(PROMPTS[1], max_tokens=4), timeout=60)
+    assert wait_for(lambda: bg.engine.num_waiting == 1)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(build_request(PROMPTS[2], max_tokens=4), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    first.cancel()
+    assert len(second.result().token_ids) > 0
+
+
+def test_adapters_without_store(worker) -> None:
+    stub = stub_for(worker.address)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(worker_pb2.GenerateRequest(prompt="hi", adapter_id="my-adapter"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no adapter store configured" in err.value.details()
+    for call, req in ((stub.LoadAdapter, worker_pb2.LoadAdapterRequest(adapter_id="a")),
+                      (stub.UnloadAdapter, worker_pb2.UnloadAdapterRequest(adapter_id="a")),
+                      (stub.PinAdapter, worker_pb2.PinAdapterRequest(adapter_id="a", pinned=True))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(req, timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert list(stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=10).adapters) == []
+
+
+def test_worker_info_health_reflection(worker) -> None:
+    info = stub_for(worker.address).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+    assert info.model == "tiny-llama" and info.device == "cpu" and info.dtype == "float32"
+    assert info.max_num_seqs == 8 and info.num_kv_blocks == 128 and info.block_size == 16 and info.vocab_size > 0
+    ch = grpc.insecure_channel(worker.address)
+    health = health_pb2_grpc.HealthStub(ch).Check(
+        health_pb2.HealthCheckRequest(service="loraserve.v1.InferenceWorker"), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    [resp] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    assert "loraserve.v1.InferenceWorker" in {s.name for s in resp.list_services_response.service}
+
+
+def test_drain(start_worker) -> None:
+    bg = start_worker(grace_period_s=20.0)
+    stub = stub_for(bg.address)
+    running = stub.GenerateStream(build_request(PROMPTS[1], max_tokens=150, ignore_eos=True), timeout=60)
+    it = iter(running)
+    first = next(it)
+    drained = threading.Event()
+    threading.Thread(target=lambda: (bg.call(bg.server.drain()), drained.set()), daemon=True).start()
+    assert wait_for(lambda: bg.server.servicer.draining)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(bg.address)).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(build_request("new work", max_tokens=4), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(it)
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 150
+    assert rest[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+    assert drained.wait(20)
+
+
+def test_tokens_and_metrics(start_worker, capsys) -> None:
+    from tests.conftest import free_port
+
+    bg = start_worker(generate_token="gen-secret", admin_token="admin-secret", metrics_port=free_port())
+    stub = stub_for(bg.address)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(build_request("hi", max_tokens=2), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(build_request("hi", max_tokens=2), timeout=10, metadata=[("authorization", "Bearer nope")])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with WorkerClient(bg.address, token="gen-secret", admin_token="admin-secret") as w:
+        assert len(w.generate("hi", max_tokens=3, ignore_eos=True).token_ids) == 3
+        with pytest.raises(grpc.RpcError) as err:
+            w.load_adapter("a")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # authorized, but no store
+    with pytest.raises(grpc.RpcError) as err:
+        stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id="a"), timeout=10,
+                         metadata=[("authorization", "Bearer gen-secret")])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    body = urllib.request.urlopen(f"http://127.0.0.1:{bg.server.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'loraserve_worker_requests_total{code="OK",method="Generate"} 1.0' in body
+    assert "loraserve_worker_generated_tokens_total 3.0" in body
+    assert "loraserve_worker_queue_depth" in body and "loraserve_worker_time_to_first_token_seconds" in body
+    # the CLI streams to the terminal
+    assert generate_main(["--worker", bg.address, "--token", "gen-secret", "--max-tokens", "5", "Hello"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert generate_main(["--worker", bg.address, "Hello"]) == 1
+
+
+def test_async_client(worker) -> None:
+    async def run():
+        async with AsyncWorkerClient(worker.address) as w:
+            g = await w.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
+            d = [x async for x in w.generate_stream(PROMPTS[0], max_tokens=6, ignore_eos=True)]
+            info = await w.info()
+            return g, d, info
+
+    g, d, info = asyncio.run(run())
+    assert [t for x in d for t in x.token_ids] == g.token_ids and info.max_model_len > 0
+
+
+def test_tls(start_worker, tmp_path) -> None:
+    pytest.importorskip("cryptography")
+    cert, key = self_signed_cert(tmp_path)
+    bg = start_worker(tls_cert=cert, tls_key=key)
+    with WorkerClient(bg.address, tls_ca=cert, timeout=10) as w:
+        assert len(w.generate("Hello", max_tokens=3, ignore_eos=True).token_ids) == 3
+    with pytest.raises(grpc.RpcError):  # plaintext against a TLS port
+        stub_for(bg.address).Generate(build_request("Hello", max_tokens=3), timeout=3)
