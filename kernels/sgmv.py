@@ -30,6 +30,40 @@ def split_for(num_work, col_tiles, in_features, target_items, max_split, BLOCK_K
 
 
 @triton.jit
+def item_rows(work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, ranks_ptr, w, offs_m, max_rank,
+              I64: tl.constexpr):
+    """Work item w: its slot, row ids (masked past the item's end) and the slot's rank."""
+    slot = tl.load(work_slot_ptr + w)
+    start = tl.load(work_start_ptr + w)
+    end = tl.load(work_end_ptr + w)
+    pos = start + offs_m
+    row_ok = pos < end
+    rows = tl.load(sorted_rows_ptr + pos, mask=row_ok, other=0)
+    if I64:  # offsets past 2**31 elements
+        rows = rows.to(tl.int64)
+        slot = slot.to(tl.int64)
+    rank = tl.minimum(tl.load(ranks_ptr + slot), max_rank)
+    return slot, rows, row_ok, rank
+
+
+@triton.jit
+def sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT: tl.constexpr):
+    """s of one row tile: the sum of the shrink's `split` K-chunk partials (fp32)."""
+    st = tl.zeros(s_mask.shape, dtype=tl.float32)
+    for kc in tl.static_range(MAX_SPLIT):
+        st += tl.load(s_base + kc * part_stride + rs[None, :], mask=s_mask & (rs[None, :] * 0 + kc < split),
+                      other=0.0)
+    return st
+
+
+@triton.jit
+def mma(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [L, S, R, K]
@@ -63,16 +97,8 @@ def shrink_kernel(
         rem = item % items_per_work
         ct = rem // split
         kc = rem % split
-        slot = tl.load(work_slot_ptr + w)
-        start = tl.load(work_start_ptr + w)
-        end = tl.load(work_end_ptr + w)
-        pos = start + offs_m
-        row_ok = pos < end
-        rows = tl.load(sorted_rows_ptr + pos, mask=row_ok, other=0)
-        if I64:  # offsets past 2**31 elements
-            rows = rows.to(tl.int64)
-            slot = slot.to(tl.int64)
-        rank = tl.minimum(tl.load(ranks_ptr + slot), max_rank)
+        slot, rows, row_ok, rank = item_rows(work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, ranks_ptr,
+                                             w, offs_m, max_rank, I64)
         if SLICE_ALIGNED:
             sl = ct // col_tiles_per_slice + offs_c * 0
             first_r = (ct % col_tiles_per_slice) * BLOCK_C
@@ -95,10 +121,7 @@ def shrink_kernel(
                 k_ok = ks < k_hi
                 xt = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 at = tl.load(a_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                if IEEE:
-                    acc += tl.dot(xt, at, input_precision="ieee")
-                else:
-                    acc += tl.dot(xt, at)
+                acc += mma(xt, at, IEEE)
             out = (part_ptr + ((kc * num_slices + sl[None, :]) * num_tokens + rows[:, None])
                    * max_rank + rr[None, :])
             tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
@@ -158,82 +181,46 @@ def expand_kernel(
         first_chunk = tl.where(sl == 0, 0, tl.where(sl == 1, t1, tl.where(sl == 2, t2, t3)))
         n_lo = lo + (j - first_chunk) * chunk_n
         n_hi = tl.minimum(n_lo + chunk_n, hi)
-        slot = tl.load(work_slot_ptr + w)
-        start = tl.load(work_start_ptr + w)
-        end = tl.load(work_end_ptr + w)
-        pos = start + offs_m
-        row_ok = pos < end
-        rows = tl.load(sorted_rows_ptr + pos, mask=row_ok, other=0)
-        if I64:  # offsets past 2**31 elements
-            rows = rows.to(tl.int64)
-            slot = slot.to(tl.int64)
-        rank = tl.minimum(tl.load(ranks_ptr + slot), max_rank)
+        slot, rows, row_ok, rank = item_rows(work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, ranks_ptr,
+                                             w, offs_m, max_rank, I64)
         b_slot = b_ptr + slot * out_features * max_rank
         s_base = part_ptr + (sl * num_tokens + rows[:, None]) * max_rank  # [BM, 1]
         y_rows = y_ptr + rows[:, None] * out_features  # [BM, 1]
         if rank > 0:
-            if SINGLE_R and PRELOAD:
-                # The first B and y tiles load while the shrink still runs; each iteration then
-                # loads the next tiles after its store (one B tile live at a time).
+            if SINGLE_R:
+                # s stays in registers for the whole chunk. y of the next tile is loaded before the
+                # current tile's dot (manual prefetch). B: with PRELOAD the item's first tile is
+                # loaded before s (before the PDL wait) and each iteration loads the next tile after
+                # its store; otherwise each iteration loads its own (prefetching B as well measured
+                # slower: registers). Either way one B tile is live at a time.
                 r_ok = offs_r < rank
                 s_mask = row_ok[:, None] & r_ok[None, :]
-                ns = n_lo + offs_n
-                n_ok = ns < n_hi
-                y_next = tl.load(y_rows + ns[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0)
-                bt = tl.load(b_slot + ns[None, :] * max_rank + offs_r[:, None], mask=r_ok[:, None] & n_ok[None, :],
-                             other=0.0)
-                if WAIT_PRIOR:
-                    tl.extra.cuda.gdc_wait()
-                st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for kc in tl.static_range(MAX_SPLIT):
-                    st += tl.load(s_base + kc * part_stride + offs_r[None, :],
-                                  mask=s_mask & (offs_r[None, :] * 0 + kc < split), other=0.0)
-                if not IEEE:
-                    st = st.to(b_ptr.dtype.element_ty)
-                for n0 in range(n_lo, n_hi, BLOCK_N):
-                    ns = n0 + offs_n
-                    y_mask = row_ok[:, None] & (ns < n_hi)[None, :]
-                    yt = y_next
-                    ns_next = ns + BLOCK_N
-                    next_ok = ns_next < n_hi
-                    y_next = tl.load(y_rows + ns_next[None, :], mask=row_ok[:, None] & next_ok[None, :], other=0.0)
-                    if IEEE:
-                        acc = tl.dot(st, bt, input_precision="ieee")
-                    else:
-                        acc = tl.dot(st, bt)
-                    tl.store(y_rows + ns[None, :], (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
-                    bt = tl.load(b_slot + ns_next[None, :] * max_rank + offs_r[:, None],
-                                 mask=r_ok[:, None] & next_ok[None, :], other=0.0)
-            elif SINGLE_R:
-                if WAIT_PRIOR:
-                    tl.extra.cuda.gdc_wait()
-                r_ok = offs_r < rank
-                s_mask = row_ok[:, None] & r_ok[None, :]
-                st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for kc in tl.static_range(MAX_SPLIT):
-                    st += tl.load(s_base + kc * part_stride + offs_r[None, :],
-                                  mask=s_mask & (offs_r[None, :] * 0 + kc < split), other=0.0)
-                if not IEEE:
-                    st = st.to(b_ptr.dtype.element_ty)
-                # y of the next tile is loaded before the current tile's dot (manual prefetch; B
-                # loads are issued by each iteration itself: prefetching them too measured slower).
                 ns = n_lo + offs_n
                 y_next = tl.load(y_rows + ns[None, :], mask=row_ok[:, None] & (ns < n_hi)[None, :], other=0.0)
+                if PRELOAD:
+                    bt = tl.load(b_slot + ns[None, :] * max_rank + offs_r[:, None],
+                                 mask=r_ok[:, None] & (ns < n_hi)[None, :], other=0.0)
+                if WAIT_PRIOR:
+                    tl.extra.cuda.gdc_wait()
+                st = sum_partials(s_base, part_stride, offs_r, s_mask, split, MAX_SPLIT)
+                if not IEEE:
+                    st = st.to(b_ptr.dtype.element_ty)
                 for n0 in range(n_lo, n_hi, BLOCK_N):
                     ns = n0 + offs_n
                     n_ok = ns < n_hi
                     y_mask = row_ok[:, None] & n_ok[None, :]
                     yt = y_next
-                    bt = tl.load(b_slot + ns[None, :] * max_rank + offs_r[:, None],
-                                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                    if not PRELOAD:
+                        bt = tl.load(b_slot + ns[None, :] * max_rank + offs_r[:, None],
+                                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
                     ns_next = ns + BLOCK_N
-                    y_next = tl.load(y_rows + ns_next[None, :], mask=row_ok[:, None] & (ns_next < n_hi)[None, :],
-                                     other=0.0)
-                    if IEEE:
-                        acc = tl.dot(st, bt, input_precision="ieee")
-                    else:
-                        acc = tl.dot(st, bt)
+                    next_ok = ns_next < n_hi
+                    y_next = tl.load(y_rows + ns_next[None, :], mask=row_ok[:, None] & next_ok[None, :], other=0.0)
+                    acc = mma(st, bt, IEEE)
                     tl.store(y_rows + ns[None, :], (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+                    if PRELOAD:
+                        bt = tl.load(b_slot + ns_next[None, :] * max_rank + offs_r[:, None],
+                                     mask=r_ok[:, None] & next_ok[None, :], other=0.0)
             else:
                 if WAIT_PRIOR:
                     tl.extra.cuda.gdc_wait()
@@ -247,14 +234,8 @@ def expand_kernel(
                         rs = r0 + offs_r
                         r_ok = rs < rank
                         s_mask = row_ok[:, None] & r_ok[None, :]
-                        st = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                        for kc in tl.static_range(MAX_SPLIT):
-                            st += tl.load(s_base + kc * part_stride + rs[None, :],
-                                          mask=s_mask & (rs[None, :] * 0 + kc < split), other=0.0)
+                        st = sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT)
                         bt = tl.load(b_slot + ns[None, :] * max_rank + rs[:, None],
                                      mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-                        if IEEE:
-                            acc += tl.dot(st, bt, input_precision="ieee")
-                        else:
-                            acc += tl.dot(st.to(bt.dtype), bt)
+                        acc += mma(st.to(bt.dtype), bt, IEEE)
                     tl.store(y_rows + ns[None, :], (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)

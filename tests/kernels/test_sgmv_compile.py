@@ -1,0 +1,134 @@
+"""Every Triton kernel variant the launch planner picks compiles for Hopper (sm_90) to PTX and
+SASS, with no GPU: the launches of `kernels.triton_ops` and `LoRABatch.prepare` are recorded (not
+run) and each recorded launch is compiled with its real argument types, constexprs and options.
+
+The interpreter (test_sgmv_interpreter.py) checks what the kernels compute; this checks what only
+the compiler sees: code paths the interpreter cannot run (grid dependency control), type rules the
+interpreter does not enforce, and constexpr combinations no CPU test launches.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import LoRABatch, triton_ops  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
+
+
+class Recorder:
+    """Stands in for a JIT kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self, kernel: Any, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs) -> None:
+            self.launches.append((self.kernel, args, kwargs))
+
+        return launch
+
+
+def _compile(kernel: Any, args: tuple, kwargs: dict) -> Any:
+    names = list(inspect.signature(kernel.fn).parameters)
+    bound = dict(zip(names, args, strict=False))
+    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name not in bound:  # a constexpr left at its default
+            default = inspect.signature(kernel.fn).parameters[name].default
+            constexprs[name] = default.value if hasattr(default, "value") else default
+            signature[name] = "constexpr"
+        elif isinstance(bound[name], torch.Tensor):
+            signature[name] = "*" + TYPES[bound[name].dtype]
+        else:
+            signature[name] = "i64" if abs(int(bound[name])) >= 2**31 else "i32"
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER, options=options)
+
+
+def _group(num_tokens: int, num_slices: int, din: int, width: int, max_rank: int, dtype: torch.dtype):
+    lora_a = torch.zeros(4, num_slices, max_rank, din, dtype=dtype)
+    lora_b = torch.zeros(4, num_slices * width, max_rank, dtype=dtype)
+    x = torch.zeros(num_tokens, din, dtype=dtype)
+    y = torch.zeros(num_tokens, num_slices * width, dtype=dtype)
+    ranks = torch.tensor([max_rank, 8, 0, 1], dtype=torch.int32)
+    offsets = list(range(0, num_slices * width + 1, width))
+    return y, x, lora_a, lora_b, ranks, offsets
+
+
+# (rows, slices, in, slice width, buffer rank, dtype): decode and prefill tiles, ranks that keep s
+# in registers or loop over it, fp32 (IEEE dots), and up to the four slices the expand takes.
+SHAPES = [
+    (64, 3, 4096, 1024, 16, torch.bfloat16),
+    (64, 2, 4096, 14336, 64, torch.float16),
+    (7, 1, 14336, 4096, 256, torch.bfloat16),
+    (600, 3, 4096, 1024, 64, torch.bfloat16),
+    (600, 1, 96, 80, 256, torch.float16),
+    (33, 4, 72, 40, 8, torch.float32),
+]
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-S{s[1]}-r{s[4]}-{TYPES[s[5]]}" for s in SHAPES])
+def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
+    num_tokens, num_slices, din, width, max_rank, dtype = shape
+    launches: list = []
+    monkeypatch.setattr(triton_ops, "shrink_kernel", Recorder(triton_ops.shrink_kernel, launches))
+    monkeypatch.setattr(triton_ops, "expand_kernel", Recorder(triton_ops.expand_kernel, launches))
+    monkeypatch.setattr(triton_ops, "USE_PDL", pdl)
+    monkeypatch.setattr(triton_ops, "pdl_supported", lambda device: True)
+    y, x, lora_a, lora_b, ranks, offsets = _group(num_tokens, num_slices, din, width, max_rank, dtype)
+    batch = LoRABatch.allocate(num_tokens, 4, "cpu", max_slices=num_slices, max_rank=max_rank)
+    batch.prepare(torch.zeros(num_tokens, dtype=torch.int32))
+    triton_ops.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets)
+    if not pdl:  # the standalone ops (never PDL)
+        s = torch.zeros(num_slices, num_tokens, max_rank, dtype=torch.float32)
+        triton_ops.lora_shrink(x, lora_a, ranks, batch, s)
+        triton_ops.lora_expand(s, lora_b, ranks, batch, offsets, y)
+    assert len(launches) == (2 if pdl else 4)
+    for kernel, args, kwargs in launches:
+        assert kwargs.get("launch_pdl", False) == (pdl and kernel is triton_ops.expand_kernel.kernel)
+        compiled = _compile(kernel, args, kwargs)
+        ptx = compiled.asm["ptx"]
+        assert compiled.asm["cubin"]
+        assert ("griddepcontrol.wait" in ptx) == (pdl and kernel is triton_ops.expand_kernel.kernel)
+
+
+def test_64_bit_offset_variants_compile(monkeypatch) -> None:
+    launches: list = []
+    monkeypatch.setattr(triton_ops, "shrink_kernel", Recorder(triton_ops.shrink_kernel, launches))
+    monkeypatch.setattr(triton_ops, "expand_kernel", Recorder(triton_ops.expand_kernel, launches))
+    monkeypatch.setattr(triton_ops, "_needs_i64", lambda *tensors: True)
+    y, x, lora_a, lora_b, ranks, offsets = _group(64, 3, 256, 64, 16, torch.bfloat16)
+    batch = LoRABatch.allocate(64, 4, "cpu", max_slices=3, max_rank=16)
+    batch.prepare(torch.zeros(64, dtype=torch.int32))
+    triton_ops.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets)
+    assert [kw["I64"] for _, _, kw in launches] == [True, True]
+    for kernel, args, kwargs in launches:
+        assert _compile(kernel, args, kwargs).asm["cubin"]
+
+
+@pytest.mark.parametrize("max_loras", [1, 64, 300])
+def test_prepare_kernel_compiles(monkeypatch, max_loras) -> None:
+    import kernels.batch_kernel as batch_kernel
+
+    launches: list = []
+    monkeypatch.setattr(batch_kernel, "prepare_kernel", Recorder(batch_kernel.prepare_kernel, launches))
+    batch = LoRABatch.allocate(512, max_loras, "cpu")
+    batch.prepare(torch.zeros(100, dtype=torch.int32), use_triton=True)
+    ((kernel, args, kwargs),) = launches
+    assert _compile(kernel, args, kwargs).asm["cubin"]
