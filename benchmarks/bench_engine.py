@@ -95,6 +95,7 @@ def bench_model(name: str, batches: list[int], bw: float, device: torch.device,
     engine = LLMEngine(model, _Tokenizer(), EngineConfig(
         max_num_seqs=max_b, max_model_len=max_len, max_num_batched_tokens=8192, block_size=block_size,
         num_blocks=num_blocks, max_queue_size=max_b, use_cuda_graphs=True))
+    engine.runner.capture_graphs()
     capture_s = time.perf_counter() - t0
     kv_per_token = kv_bytes_per_block(model, block_size) / block_size
     rows = []

@@ -157,6 +157,7 @@ class LLMEngine:
             self._wake.notify()
 
     def start(self) -> None:
+        self.runner.capture_graphs()  # before serving, so no request waits for it
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 

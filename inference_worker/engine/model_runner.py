@@ -47,8 +47,9 @@ class ModelRunner:
         # True when the graphs were captured with the adapters' LoRA path in them (an adapter
         # manager installed later runs its steps eagerly)
         self._graph_lora = adapters is not None and getattr(adapters, "supports_cuda_graphs", False)
-        if use_cuda_graphs and self.device.type == "cuda":
-            self._capture_graphs()
+        # Captured once, by capture_graphs() (the engine calls it when it starts, or its first step
+        # does), so an adapter manager installed after construction costs no second capture.
+        self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
 
     # ----------------------------------------------------------------------------- batch building
     def build_batch(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[ForwardBatch, list[Sequence]]:
@@ -124,6 +125,7 @@ class ModelRunner:
     def execute(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one step; -> (logits [N, V] float32, the N sequences they belong to)."""
         n = len(sched.decodes)
+        self.capture_graphs()
         bucket = next((b for b in self.graphs if b >= n), None) if not sched.prefills else None
         if bucket is not None:
             batch, sample_seqs = self.build_batch(sched, pad_to=bucket)
@@ -143,11 +145,17 @@ class ModelRunner:
         return self.adapters.build_lora_context(batch)
 
     def set_adapters(self, adapters: AdapterManager | None) -> None:
-        """Install the adapter manager; decode graphs are captured again with its LoRA path."""
+        """Install the adapter manager. Graphs not captured yet will carry its LoRA path; graphs
+        already captured are captured again."""
         self.adapters = adapters
         self._graph_lora = adapters is not None and getattr(adapters, "supports_cuda_graphs", False)
         if self.graphs:
             self.graphs, self._base_graphs = {}, {}
+            self._capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs if this runner uses them and has none yet (idempotent)."""
+        if self._want_graphs and not self.graphs:
             self._capture_graphs()
 
     def _graph_lora_context(self, batch: ForwardBatch) -> object | None:

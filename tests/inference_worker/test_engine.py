@@ -193,3 +193,35 @@ def test_abort_frees_blocks(tiny_model_dir: Path, tok) -> None:
     engine.step()
     assert engine.num_free_blocks == start
     assert outs[-1].finish_reason is FinishReason.CANCELLED
+
+
+def test_decode_graphs_are_captured_once_after_the_adapter_manager(tiny_model_dir) -> None:
+    """Graphs are captured when the engine starts (or at its first step), not at construction, so
+    a worker that installs its adapter manager after building the engine captures them once, with
+    the manager's LoRA path; a manager installed after capture captures again."""
+    engine = make_engine(tiny_model_dir, use_cuda_graphs=True)
+    runner = engine.runner
+    captures: list[bool] = []
+
+    def fake_capture() -> None:  # stands in for the CUDA capture: records which path it carries
+        captures.append(runner._graph_lora)
+        runner.graphs = {1: object()}
+
+    runner._want_graphs = True  # as on a CUDA device
+    runner._capture_graphs = fake_capture
+    assert captures == []  # nothing at construction
+
+    class Manager:
+        supports_cuda_graphs = True
+
+    engine.runner.set_adapters(Manager())
+    assert captures == []
+    engine.start()
+    try:
+        assert captures == [True]  # once, with the LoRA path
+        runner.capture_graphs()
+        assert captures == [True]
+        runner.set_adapters(None)
+        assert captures == [True, False]  # a later change captures again
+    finally:
+        engine.shutdown()
