@@ -57,6 +57,15 @@ def sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT: tl.constexpr
 
 
 @triton.jit
+def sum_partials_loop(s_base, part_stride, rs, s_mask, split):
+    """sum_partials with a run-time loop: one partial in registers at a time (wide rank tiles)."""
+    st = tl.zeros(s_mask.shape, dtype=tl.float32)
+    for kc in range(0, split):
+        st += tl.load(s_base + kc * part_stride + rs[None, :], mask=s_mask, other=0.0)
+    return st
+
+
+@triton.jit
 def mma(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
@@ -234,7 +243,7 @@ def expand_kernel(
                         rs = r0 + offs_r
                         r_ok = rs < rank
                         s_mask = row_ok[:, None] & r_ok[None, :]
-                        st = sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT)
+                        st = sum_partials_loop(s_base, part_stride, rs, s_mask, split)
                         bt = tl.load(b_slot + ns[None, :] * max_rank + rs[:, None],
                                      mask=r_ok[:, None] & n_ok[None, :], other=0.0)
                         acc += mma(st.to(bt.dtype), bt, IEEE)

@@ -34,6 +34,12 @@ EXPAND_TARGET_PER_SM = 4  # expand items widen up to MAX_CHUNK_TILES tiles until
 DECODE_MAX_CHUNK_TILES = 16
 PREFILL_MAX_CHUNK_TILES = 4
 EXPAND_TILE_ELEMS = 16384  # B elements per expand tile (BLOCK_R x BLOCK_N)
+# Smaller tiles where the larger ones spill registers (ptxas for sm_90; tests/kernels/
+# test_sgmv_compile.py checks every planned variant): ranks past SINGLE_RANK_TILE, whose s is
+# summed tile by tile, and the preloading expand, whose first B tile stays live across the s load.
+# B elements per tile: (decode, prefill) for looped ranks.
+LOOPED_RANK_TILE_ELEMS = (8192, 4096)
+PRELOAD_TILE_ELEMS = 4096
 SHRINK_SMEM_BYTES = 110 * 1024  # decode shrink pipeline stages fit in this: two programs per SM
 PREFILL_SHRINK_SMEM_BYTES = 160 * 1024
 SINGLE_RANK_TILE = 128  # buffers up to this rank keep the whole s row tile in registers
@@ -70,6 +76,7 @@ class ExpandPlan:
     single_r: bool
     num_warps: int
     num_stages: int
+    preload: bool = False
 
 
 def _pow2(n: int) -> int:
@@ -108,7 +115,8 @@ def plan_shrink(
         block_c = min(max(16, _pow2(max_rank)), 128)
         per_slice = -(-max_rank // block_c)
         col_tiles, aligned, num_warps = num_slices * per_slice, True, 4
-        block_k = 256 if block_c <= 64 else 128
+        # K per step shrinks as the column tile widens, so the A tile fits in registers.
+        block_k = 256 if block_c <= 32 else 128 if block_c == 64 else 32
     else:
         # Prefill: all slices in as few column tiles as possible, so x streams once.
         block_c = min(max(16, _pow2(num_slices * max_rank)), 256)
@@ -125,7 +133,7 @@ def plan_shrink(
                       SHRINK_TARGET_PER_SM * num_sms, max_split, num_warps, num_stages)
 
 
-def plan_expand(num_tokens: int, max_rank: int, elem_size: int) -> ExpandPlan:
+def plan_expand(num_tokens: int, max_rank: int, elem_size: int, preload: bool = False) -> ExpandPlan:
     block_m = block_m_for(num_tokens)
     single_r = _pow2(max_rank) <= SINGLE_RANK_TILE
     block_r = max(16, _pow2(max_rank)) if single_r else 64
@@ -134,9 +142,15 @@ def plan_expand(num_tokens: int, max_rank: int, elem_size: int) -> ExpandPlan:
     else:
         block_n, tiles, num_warps = PREFILL_BLOCK_N, PREFILL_MAX_CHUNK_TILES, 8
     block_n = block_n * 2 // elem_size
-    while block_n > 32 and block_n * block_r > EXPAND_TILE_ELEMS:
+    preload = preload and single_r
+    prefill = block_m != 16
+    if not single_r:
+        max_elems = LOOPED_RANK_TILE_ELEMS[prefill]
+    else:
+        max_elems = PRELOAD_TILE_ELEMS if preload else EXPAND_TILE_ELEMS
+    while block_n > 32 and block_n * block_r > max_elems:
         block_n //= 2
-    return ExpandPlan(block_m, block_n, block_r, tiles, single_r, num_warps, 3 if single_r else 1)
+    return ExpandPlan(block_m, block_n, block_r, tiles, single_r, num_warps, 3 if single_r else 1, preload)
 
 
 def _work(batch: LoRABatch, block_m: int) -> tuple[torch.Tensor, ...]:
@@ -184,7 +198,7 @@ def _launch_expand(
         SHRINK_BLOCK_K=shrink.block_k, MAX_SPLIT=shrink.max_split, MAX_CHUNK_TILES=plan.max_chunk_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.block_r,
         SINGLE_R=plan.single_r, IEEE=y.dtype == torch.float32, I64=_needs_i64(part, lora_b, y),
-        PRELOAD=pdl if EXPAND_PRELOAD is None else EXPAND_PRELOAD, WAIT_PRIOR=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
+        PRELOAD=plan.preload, WAIT_PRIOR=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -239,7 +253,8 @@ def add_lora(
     part = workspace[: shrink.max_split * per_split]
     pdl = USE_PDL and pdl_supported(x.device)
     _launch_shrink(x, lora_a, ranks, batch, part, shrink, num_sms, pdl)
-    expand = plan_expand(num_tokens, max_rank, y.element_size())
+    preload = pdl if EXPAND_PRELOAD is None else EXPAND_PRELOAD
+    expand = plan_expand(num_tokens, max_rank, y.element_size(), preload)
     _launch_expand(part, shrink, x.shape[1], lora_b, ranks, batch, offsets, y, expand, num_sms, pdl)
     return y
 

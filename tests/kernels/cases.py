@@ -41,6 +41,7 @@ CASES: tuple[Case, ...] = (
     Case("qkv-unequal-slices", 30, 64, (48, 16, 16), 16, (16, 4, 11), "random"),
     Case("rank-past-one-tile", 21, 24, (18, 10), 40, (40, 33, 17), "random"),
     Case("rank-over-128", 11, 24, (20,), 136, (136, 70, 129), "random"),
+    Case("rank-over-128-split-k", 5, 700, (20,), 136, (136, 130), "one"),
     Case("split-k-one-adapter", 5, 700, (24, 8), 8, (8, 6), "one"),
     Case("wide-output-chunks", 7, 16, (600, 300), 8, (8, 5, 2), "random"),
     Case("zero-rows", 0, 32, (16, 8), 8, (8, 8), "random", max_tokens=8),

@@ -10,6 +10,10 @@ interpreter does not enforce, and constexpr combinations no CPU test launches.
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,6 +64,19 @@ def _compile(kernel: Any, args: tuple, kwargs: dict) -> Any:
     return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER, options=options)
 
 
+def _resources(cubin: bytes) -> dict[str, int]:
+    """Registers and stack/local bytes per thread of a cubin, from cuobjdump -res-usage (the
+    tool ships with Triton's NVIDIA backend)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("Triton's cuobjdump is not available")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", out)}
+
+
 def _group(num_tokens: int, num_slices: int, din: int, width: int, max_rank: int, dtype: torch.dtype):
     lora_a = torch.zeros(4, num_slices, max_rank, din, dtype=dtype)
     lora_b = torch.zeros(4, num_slices * width, max_rank, dtype=dtype)
@@ -74,12 +91,21 @@ def _group(num_tokens: int, num_slices: int, din: int, width: int, max_rank: int
 # in registers or loop over it, fp32 (IEEE dots), and up to the four slices the expand takes.
 SHAPES = [
     (64, 3, 4096, 1024, 16, torch.bfloat16),
+    (64, 3, 4096, 1024, 32, torch.bfloat16),
+    (16, 1, 4096, 4096, 128, torch.bfloat16),
+    (2048, 2, 4096, 14336, 16, torch.bfloat16),
     (64, 2, 4096, 14336, 64, torch.float16),
     (7, 1, 14336, 4096, 256, torch.bfloat16),
     (600, 3, 4096, 1024, 64, torch.bfloat16),
     (600, 1, 96, 80, 256, torch.float16),
     (33, 4, 72, 40, 8, torch.float32),
 ]
+
+
+# Variants that spill and are kept as they are: the prefill shrink over one 256-wide column tile
+# (192 < S x R <= 256) was measured within 1.05x of cuBLAS on an H200 (benchmarks/results/
+# kernels.md, T=8192 rank 64); narrower K steps would remove the spill but are not measured yet.
+KNOWN_SPILLS = {("shrink_kernel", 64, 256)}
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
@@ -104,7 +130,11 @@ def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
         assert kwargs.get("launch_pdl", False) == (pdl and kernel is triton_ops.expand_kernel.kernel)
         compiled = _compile(kernel, args, kwargs)
         ptx = compiled.asm["ptx"]
-        assert compiled.asm["cubin"]
+        use = _resources(compiled.asm["cubin"])
+        # No register spills: a spilling variant is a silent slowdown that only a GPU would show.
+        if (kernel.fn.__name__, kwargs["BLOCK_M"], kwargs.get("BLOCK_C")) not in KNOWN_SPILLS:
+            # A spilling variant is a silent slowdown that only a GPU would show.
+            assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, kwargs, use)
         assert ("griddepcontrol.wait" in ptx) == (pdl and kernel is triton_ops.expand_kernel.kernel)
 
 
