@@ -9,72 +9,13 @@ interpreter does not enforce, and constexpr combinations no CPU test launches.
 
 from __future__ import annotations
 
-import inspect
-import re
-import subprocess
-import tempfile
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+pytest.importorskip("triton")
 
 from kernels import LoRABatch, triton_ops  # noqa: E402
-
-HOPPER = GPUTarget("cuda", 90, 32)
-OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
-
-
-class Recorder:
-    """Stands in for a JIT kernel: `kernel[grid](*args, **kwargs)` records the launch."""
-
-    def __init__(self, kernel: Any, launches: list) -> None:
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs) -> None:
-            self.launches.append((self.kernel, args, kwargs))
-
-        return launch
-
-
-def _compile(kernel: Any, args: tuple, kwargs: dict) -> Any:
-    names = list(inspect.signature(kernel.fn).parameters)
-    bound = dict(zip(names, args, strict=False))
-    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name not in bound:  # a constexpr left at its default
-            default = inspect.signature(kernel.fn).parameters[name].default
-            constexprs[name] = default.value if hasattr(default, "value") else default
-            signature[name] = "constexpr"
-        elif isinstance(bound[name], torch.Tensor):
-            signature[name] = "*" + TYPES[bound[name].dtype]
-        else:
-            signature[name] = "i64" if abs(int(bound[name])) >= 2**31 else "i32"
-    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER, options=options)
-
-
-def _resources(cubin: bytes) -> dict[str, int]:
-    """Registers and stack/local bytes per thread of a cubin, from cuobjdump -res-usage (the
-    tool ships with Triton's NVIDIA backend)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip("Triton's cuobjdump is not available")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", out)}
+from tests.triton_compile import TYPES, Recorder, compile_launch, resources  # noqa: E402
 
 
 def _group(num_tokens: int, num_slices: int, din: int, width: int, max_rank: int, dtype: torch.dtype):
@@ -128,9 +69,9 @@ def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
     assert len(launches) == (2 if pdl else 4)
     for kernel, args, kwargs in launches:
         assert kwargs.get("launch_pdl", False) == (pdl and kernel is triton_ops.expand_kernel.kernel)
-        compiled = _compile(kernel, args, kwargs)
+        compiled = compile_launch(kernel, args, kwargs)
         ptx = compiled.asm["ptx"]
-        use = _resources(compiled.asm["cubin"])
+        use = resources(compiled.asm["cubin"])
         # No register spills: a spilling variant is a silent slowdown that only a GPU would show.
         if (kernel.fn.__name__, kwargs["BLOCK_M"], kwargs.get("BLOCK_C")) not in KNOWN_SPILLS:
             # A spilling variant is a silent slowdown that only a GPU would show.
@@ -149,7 +90,7 @@ def test_64_bit_offset_variants_compile(monkeypatch) -> None:
     triton_ops.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets)
     assert [kw["I64"] for _, _, kw in launches] == [True, True]
     for kernel, args, kwargs in launches:
-        assert _compile(kernel, args, kwargs).asm["cubin"]
+        assert compile_launch(kernel, args, kwargs).asm["cubin"]
 
 
 @pytest.mark.parametrize("max_loras", [1, 64, 300])
@@ -161,4 +102,4 @@ def test_prepare_kernel_compiles(monkeypatch, max_loras) -> None:
     batch = LoRABatch.allocate(512, max_loras, "cpu")
     batch.prepare(torch.zeros(100, dtype=torch.int32), use_triton=True)
     ((kernel, args, kwargs),) = launches
-    assert _compile(kernel, args, kwargs).asm["cubin"]
+    assert compile_launch(kernel, args, kwargs).asm["cubin"]

@@ -1,0 +1,80 @@
+"""Compiling recorded Triton launches for Hopper (sm_90) without a GPU, and reading the registers
+and stack each compiled kernel uses. Shared by the compile tests of kernels/ and of the worker.
+
+A `Recorder` stands in for a JIT kernel while the code under test runs on CPU tensors: each launch
+is recorded with its real arguments, constexprs and options instead of running, then compiled
+here with the matching signature. Triton's NVIDIA backend ships ptxas and cuobjdump, so this works
+on a machine with no GPU and no CUDA toolkit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64"}
+
+
+class Recorder:
+    """Stands in for a JIT kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self, kernel: Any, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs) -> None:
+            self.launches.append((self.kernel, args, kwargs))
+
+        return launch
+
+
+def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> Any:
+    """Compile one recorded launch for sm_90: tensors become typed pointers, ints i32 (i64 past
+    2**31), floats fp32; constexprs and launch options as given, defaults where not given."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    bound = dict(zip(names, args, strict=False))
+    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name not in bound:  # a constexpr left at its default
+            default = inspect.signature(kernel.fn).parameters[name].default
+            constexprs[name] = default.value if hasattr(default, "value") else default
+            signature[name] = "constexpr"
+        elif isinstance(bound[name], torch.Tensor):
+            signature[name] = "*" + TYPES[bound[name].dtype]
+        elif isinstance(bound[name], float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i64" if abs(int(bound[name])) >= 2**31 else "i32"
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER, options=options)
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers and stack/local bytes per thread of a cubin, from cuobjdump -res-usage (the
+    tool ships with Triton's NVIDIA backend)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("Triton's cuobjdump is not available")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", out)}
+
+
