@@ -96,9 +96,11 @@ def pdl_supported(device: torch.device) -> bool:
     grid dependency control (never under the interpreter)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
+    from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra import cuda as tl_cuda
 
-    return torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl_cuda, "gdc_wait")
+    return (torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl_cuda, "gdc_wait")
+            and "launch_pdl" in CUDAOptions.__dataclass_fields__)
 
 
 def block_m_for(num_tokens: int) -> int:

@@ -26,15 +26,10 @@ def pdl(request, monkeypatch) -> bool:
     """add_lora with and without programmatic dependent launch of its expand."""
     from kernels import triton_ops
 
+    if request.param and not triton_ops.pdl_supported(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+ and a Triton that has it")
     monkeypatch.setattr(triton_ops, "USE_PDL", request.param)
     return request.param
-
-
-def test_pdl_is_detected_on_hopper() -> None:
-    from kernels import triton_ops
-
-    hopper = torch.cuda.get_device_capability()[0] >= 9
-    assert triton_ops.pdl_supported(torch.device("cuda", torch.cuda.current_device())) == hopper
 
 
 def _delta64(x, lora_a, lora_b, ranks: list[int], slots: torch.Tensor, offsets: list[int]) -> torch.Tensor:
