@@ -10,7 +10,7 @@ DEMO_DIR ?= .loraserve-demo
 # protoc finds its mypy plugins (protoc-gen-mypy, protoc-gen-mypy_grpc) on PATH.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install run test lint protos check-protos bench-store bench-gpu clean
+.PHONY: install run test lint protos check-protos check-gpu-compile bench-store bench-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,20 @@ run: install
 
 test: install check-protos lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory check-gpu-compile
+
+# The GPU image runs Triton $(GPU_TRITON); the suite above compiles the kernels with the Triton
+# installed here. This compiles every kernel variant again with the GPU's version (sm_90, spill
+# check), so a change that only that version rejects or spills on fails here, not on the GPU.
+GPU_TRITON ?= 3.6.0
+GPU_TRITON_DIR := $(VENV)/triton-$(GPU_TRITON)
+$(GPU_TRITON_DIR)/.installed: | install
+	$(PIP) install -q --no-deps --target $(GPU_TRITON_DIR) "triton==$(GPU_TRITON)"
+	touch $@
+
+check-gpu-compile: $(GPU_TRITON_DIR)/.installed
+	LORASERVE_EXPECT_TRITON=$(GPU_TRITON) PYTHONPATH=$(abspath $(GPU_TRITON_DIR)):$(CURDIR) $(PY) -m pytest -q -p no:cacheprovider \
+		tests/kernels/test_sgmv_compile.py tests/inference_worker/test_kernels_compile.py
 
 # ruff over the tree, mypy over the typed packages.
 lint: install

@@ -10,6 +10,7 @@ on a machine with no GPU and no CUDA toolkit.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import subprocess
 import tempfile
@@ -21,6 +22,12 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+# `make check-gpu-compile` runs the compile tests with the GPU image's Triton put first on the
+# path; this makes sure that is the Triton they got.
+if os.environ.get("LORASERVE_EXPECT_TRITON", triton.__version__) != triton.__version__:
+    raise ImportError(f"expected Triton {os.environ['LORASERVE_EXPECT_TRITON']}, got {triton.__version__} "
+                      f"from {triton.__file__}")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
