@@ -34,12 +34,11 @@ EXPAND_TARGET_PER_SM = 4  # expand items widen up to MAX_CHUNK_TILES tiles until
 DECODE_MAX_CHUNK_TILES = 16
 PREFILL_MAX_CHUNK_TILES = 4
 EXPAND_TILE_ELEMS = 16384  # B elements per expand tile (BLOCK_R x BLOCK_N)
-# Smaller tiles where the larger ones spill registers (ptxas for sm_90; tests/kernels/
+# Smaller B tiles where 16K-element ones spill registers (ptxas for sm_90; tests/kernels/
 # test_sgmv_compile.py checks every planned variant): ranks past SINGLE_RANK_TILE, whose s is
 # summed tile by tile, and the preloading expand, whose first B tile stays live across the s load.
-# B elements per tile: (decode, prefill) for looped ranks.
-LOOPED_RANK_TILE_ELEMS = (8192, 4096)
-PRELOAD_TILE_ELEMS = 4096
+LOOPED_RANK_TILE_ELEMS = 4096
+PRELOAD_TILE_ELEMS = 8192
 SHRINK_SMEM_BYTES = 110 * 1024  # decode shrink pipeline stages fit in this: two programs per SM
 PREFILL_SHRINK_SMEM_BYTES = 160 * 1024
 SINGLE_RANK_TILE = 128  # buffers up to this rank keep the whole s row tile in registers
@@ -117,8 +116,7 @@ def plan_shrink(
         block_c = min(max(16, _pow2(max_rank)), 128)
         per_slice = -(-max_rank // block_c)
         col_tiles, aligned, num_warps = num_slices * per_slice, True, 4
-        # K per step shrinks as the column tile widens, so the A tile fits in registers.
-        block_k = 256 if block_c <= 32 else 128 if block_c == 64 else 32
+        block_k = 256 if block_c <= 64 else 128
     else:
         # Prefill: all slices in as few column tiles as possible, so x streams once.
         block_c = min(max(16, _pow2(num_slices * max_rank)), 256)
@@ -145,9 +143,8 @@ def plan_expand(num_tokens: int, max_rank: int, elem_size: int, preload: bool = 
         block_n, tiles, num_warps = PREFILL_BLOCK_N, PREFILL_MAX_CHUNK_TILES, 8
     block_n = block_n * 2 // elem_size
     preload = preload and single_r
-    prefill = block_m != 16
     if not single_r:
-        max_elems = LOOPED_RANK_TILE_ELEMS[prefill]
+        max_elems = LOOPED_RANK_TILE_ELEMS
     else:
         max_elems = PRELOAD_TILE_ELEMS if preload else EXPAND_TILE_ELEMS
     while block_n > 32 and block_n * block_r > max_elems:

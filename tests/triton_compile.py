@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 # `make check-gpu-compile` runs the compile tests with the GPU image's Triton put first on the
@@ -31,8 +32,7 @@ if os.environ.get("LORASERVE_EXPECT_TRITON", triton.__version__) != triton.__ver
 
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-         torch.int64: "i64"}
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
 
 
 class Recorder:
@@ -49,27 +49,33 @@ class Recorder:
 
 
 def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> Any:
-    """Compile one recorded launch for sm_90: tensors become typed pointers, ints i32 (i64 past
-    2**31), floats fp32; constexprs and launch options as given, defaults where not given."""
-    names = list(inspect.signature(kernel.fn).parameters)
+    """Compile one recorded launch for sm_90 the way Triton's launcher would: each argument is
+    typed and specialized by Triton's own rules (16-byte aligned pointers and ints divisible by 16
+    get divisibility hints, ints equal to 1 become constants); constexprs and launch options as
+    given, defaults where not given."""
+    params = inspect.signature(kernel.fn).parameters
+    names = list(params)
     bound = dict(zip(names, args, strict=False))
     constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
-    signature = {}
-    for name in names:
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    for i, name in enumerate(names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name not in bound:  # a constexpr left at its default
-            default = inspect.signature(kernel.fn).parameters[name].default
+            default = params[name].default
             constexprs[name] = default.value if hasattr(default, "value") else default
             signature[name] = "constexpr"
-        elif isinstance(bound[name], torch.Tensor):
-            signature[name] = "*" + TYPES[bound[name].dtype]
-        elif isinstance(bound[name], float):
-            signature[name] = "fp32"
         else:
-            signature[name] = "i64" if abs(int(bound[name])) >= 2**31 else "i32"
+            ty, key = native_specialize_impl(BaseBackend, bound[name], False, True, True)
+            signature[name] = ty
+            if ty == "constexpr":
+                constexprs[name] = key
+            elif isinstance(key, str) and key:
+                attrs[(i,)] = BaseBackend.parse_attr(key)
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER, options=options)
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options=options)
 
 
 def resources(cubin: bytes) -> dict[str, int]:

@@ -20,9 +20,6 @@ import triton.language as tl
 
 PART = 512
 TILE = 64
-# 8 warps: with 4, the [TILE x D] gather addresses of the K and V tiles need 255 registers per
-# thread and spill at head_dim 128 (ptxas for sm_90; tests/inference_worker/test_kernels_compile.py)
-PART_WARPS = 8
 
 
 @triton.jit
@@ -126,8 +123,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, m, lsum, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), m.stride(0), m.stride(1), m.stride(2),
-        GROUP=group, GP=gp, D=d, BS=bs, PART_=PART, TILE_=TILE, IEEE=q.dtype == torch.float32,
-        num_warps=PART_WARPS)
+        GROUP=group, GP=gp, D=d, BS=bs, PART_=PART, TILE_=TILE, IEEE=q.dtype == torch.float32, num_warps=4)
     _decode_reduce_kernel[(b, nkv)](
         m, lsum, acc, context_lens, out, m.stride(0), m.stride(1), m.stride(2), out.stride(0), out.stride(1),
         GROUP=group, GP=gp, D=d, PART_=PART, num_warps=4)
