@@ -66,7 +66,6 @@ def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
         compiled = compile_launch(kernel, args, kwargs)
         ptx = compiled.asm["ptx"]
         use = resources(compiled.asm["cubin"])
-        # No register spills: a spilling variant is a silent slowdown that only a GPU would show.
         # A spilling variant is a silent slowdown that only a GPU would show.
         assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, kwargs, use)
         assert ("griddepcontrol.wait" in ptx) == (pdl and kernel is triton_ops.expand_kernel.kernel)
