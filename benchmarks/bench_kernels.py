@@ -75,7 +75,7 @@ SWEEP_CONFIGS = (Config(64, 1, "16"), Config(64, 8, "16"), Config(64, 64, "16"),
                  Config(64, 64, "64"), Config(2048, 1, "16"), Config(8192, 1, "64"))
 # Launch tunables of kernels.triton_ops tried by --sweep, one change from the defaults at a time.
 SWEEP_VARIANTS: tuple[dict[str, int], ...] = (
-    {}, {"USE_PDL": True}, {"EXPAND_PRELOAD": True},
+    {}, {"USE_PDL": True}, {"EXPAND_PRELOAD": True}, {"B_VECTOR_LOADS": False},
 )
 BREAKDOWN_CONFIGS = (Config(64, 1, "16"), Config(64, 64, "16"), Config(64, 64, "64"))
 

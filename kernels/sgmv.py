@@ -66,6 +66,19 @@ def sum_partials_loop(s_base, part_stride, rs, s_mask, split):
 
 
 @triton.jit
+def load_b(b_slot, ns, rs, n_ok, rank, max_rank, VEC: tl.constexpr):
+    """B tile [R, N] of one slot: B[n, r] for r < rank, zero past it. A row of B is contiguous
+    along r, so the load mask covers whole VEC-element vectors (16-byte loads; VEC divides
+    max_rank, so no vector leaves the row) and the entries from the rank to the vector's end are
+    zeroed in registers: whatever is stored there never reaches the dot."""
+    v_ok = (rs // VEC) < ((rank + VEC - 1) // VEC)
+    bt = tl.load(b_slot + ns[None, :] * max_rank + rs[:, None], mask=v_ok[:, None] & n_ok[None, :], other=0.0)
+    if VEC > 1:
+        bt = tl.where((rs < rank)[:, None], bt, 0.0)
+    return bt
+
+
+@triton.jit
 def mma(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
@@ -156,6 +169,7 @@ def expand_kernel(
     SINGLE_R: tl.constexpr,  # max_rank <= BLOCK_R: s is loaded once per item
     IEEE: tl.constexpr,
     I64: tl.constexpr,  # some tensor has 2**31 elements or more: 64-bit offsets
+    B_VEC: tl.constexpr = 1,  # elements per B load vector along the rank (1: exact rank mask)
     PRELOAD: tl.constexpr = False,  # SINGLE_R: load an item's first B and y tiles before its s
     WAIT_PRIOR: tl.constexpr = False,  # launched with PDL after the shrink: wait before reading s
 ):
@@ -207,8 +221,7 @@ def expand_kernel(
                 ns = n_lo + offs_n
                 y_next = tl.load(y_rows + ns[None, :], mask=row_ok[:, None] & (ns < n_hi)[None, :], other=0.0)
                 if PRELOAD:
-                    bt = tl.load(b_slot + ns[None, :] * max_rank + offs_r[:, None],
-                                 mask=r_ok[:, None] & (ns < n_hi)[None, :], other=0.0)
+                    bt = load_b(b_slot, ns, offs_r, ns < n_hi, rank, max_rank, B_VEC)
                 if WAIT_PRIOR:
                     tl.extra.cuda.gdc_wait()
                 st = sum_partials(s_base, part_stride, offs_r, s_mask, split, MAX_SPLIT)
@@ -220,16 +233,14 @@ def expand_kernel(
                     y_mask = row_ok[:, None] & n_ok[None, :]
                     yt = y_next
                     if not PRELOAD:
-                        bt = tl.load(b_slot + ns[None, :] * max_rank + offs_r[:, None],
-                                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                        bt = load_b(b_slot, ns, offs_r, n_ok, rank, max_rank, B_VEC)
                     ns_next = ns + BLOCK_N
                     next_ok = ns_next < n_hi
                     y_next = tl.load(y_rows + ns_next[None, :], mask=row_ok[:, None] & next_ok[None, :], other=0.0)
                     acc = mma(st, bt, IEEE)
                     tl.store(y_rows + ns[None, :], (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
                     if PRELOAD:
-                        bt = tl.load(b_slot + ns_next[None, :] * max_rank + offs_r[:, None],
-                                     mask=r_ok[:, None] & next_ok[None, :], other=0.0)
+                        bt = load_b(b_slot, ns_next, offs_r, next_ok, rank, max_rank, B_VEC)
             else:
                 if WAIT_PRIOR:
                     tl.extra.cuda.gdc_wait()

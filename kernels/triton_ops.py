@@ -48,6 +48,10 @@ SINGLE_RANK_TILE = 128  # buffers up to this rank keep the whole s row tile in r
 # instead of two. Off until measured on a GPU (benchmarks/bench_kernels.py --sweep tries it);
 # the GPU tests check both settings.
 USE_PDL = False
+# B loads of whole 16-byte vectors along the rank (entries past a slot's rank zeroed in registers)
+# instead of element-wise rank masks, which keep the compiler to 2-byte loads.
+B_VECTOR_LOADS = True
+B_VECTOR_MAX_RANK = 64
 # Load each expand item's first B and y tiles before its s (None: only when launched with PDL).
 EXPAND_PRELOAD: bool | None = None
 
@@ -197,7 +201,7 @@ def _launch_expand(
         SHRINK_BLOCK_K=shrink.block_k, MAX_SPLIT=shrink.max_split, MAX_CHUNK_TILES=plan.max_chunk_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.block_r,
         SINGLE_R=plan.single_r, IEEE=y.dtype == torch.float32, I64=_needs_i64(part, lora_b, y),
-        PRELOAD=plan.preload, WAIT_PRIOR=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
+        B_VEC=_b_vector(lora_b), PRELOAD=plan.preload, WAIT_PRIOR=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -256,6 +260,14 @@ def add_lora(
     expand = plan_expand(num_tokens, max_rank, y.element_size(), preload)
     _launch_expand(part, shrink, x.shape[1], lora_b, ranks, batch, offsets, y, expand, num_sms, pdl)
     return y
+
+
+def _b_vector(lora_b: torch.Tensor) -> int:
+    """Elements per 16-byte B load along the rank: for buffer ranks that are a multiple of it, up
+    to B_VECTOR_MAX_RANK (the wider single-rank tiles spill registers with vector loads)."""
+    vec = 16 // lora_b.element_size()
+    max_rank = lora_b.shape[2]
+    return vec if B_VECTOR_LOADS and max_rank % vec == 0 and max_rank <= B_VECTOR_MAX_RANK else 1
 
 
 def _needs_i64(*tensors: torch.Tensor) -> bool:

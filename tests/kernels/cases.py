@@ -66,10 +66,11 @@ def make_slots(case: Case, gen: torch.Generator) -> list[int]:
 
 
 def _garbage_past_rank(tensor: torch.Tensor, ranks: tuple[int, ...], rank_dim: int) -> None:
-    """Fill entries past each slot's rank with huge values: reading them fails the comparison."""
+    """Fill entries past each slot's rank with NaN: reading them into a sum fails the comparison
+    (even multiplied by a zero, where a finite value would vanish)."""
     for slot, r in enumerate(ranks):
         view = tensor[slot].narrow(rank_dim - 1, r, tensor.shape[rank_dim] - r)
-        view.fill_(3.0e4)
+        view.fill_(float("nan"))
 
 
 PATHS = ("shrink", "expand", "add_lora")

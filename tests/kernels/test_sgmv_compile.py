@@ -69,6 +69,13 @@ def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
         # A spilling variant is a silent slowdown that only a GPU would show.
         assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, kwargs, use)
         assert ("griddepcontrol.wait" in ptx) == (pdl and kernel is triton_ops.expand_kernel.kernel)
+        # The streamed operands go through cp.async (software-pipelined): x and A in the shrink;
+        # B in the decode expand (ranks up to 64 without preloading), which needs vector-wide
+        # rank masks (B_VEC > 1).
+        streams_b = (kwargs.get("B_VEC", 1) > 1 and kwargs["BLOCK_M"] == 16 and kwargs["SINGLE_R"]
+                     and not kwargs["PRELOAD"] and kwargs["BLOCK_R"] <= 64)
+        if kernel is triton_ops.shrink_kernel.kernel or streams_b:
+            assert "cp.async" in ptx, (kernel.fn.__name__, kwargs)
 
 
 def test_64_bit_offset_variants_compile(monkeypatch) -> None:

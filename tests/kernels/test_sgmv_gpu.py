@@ -52,9 +52,9 @@ def _group(num_loras: int, widths: list[int], din: int, max_rank: int, ranks: li
         offsets.append(offsets[-1] + w)
     lora_a = torch.randn(num_loras, len(widths), max_rank, din, device="cuda").mul_(din**-0.5).to(dtype)
     lora_b = torch.randn(num_loras, offsets[-1], max_rank, device="cuda").mul_(max_rank**-0.5).to(dtype)
-    for slot, r in enumerate(ranks):  # garbage past the rank must never be read
-        lora_a[slot, :, r:] = 3.0e4
-        lora_b[slot, :, r:] = 3.0e4
+    for slot, r in enumerate(ranks):  # garbage past the rank must never reach a sum
+        lora_a[slot, :, r:] = float("nan")
+        lora_b[slot, :, r:] = float("nan")
     return lora_a, lora_b, torch.tensor(ranks, dtype=torch.int32, device="cuda"), offsets
 
 
