@@ -28,7 +28,8 @@ if [[ "$QUICK" == quick ]]; then
   step engine python3 benchmarks/bench_engine.py --models llama-3.2-1b --batches 1,64 --out "$OUT/engine.md"
   step lora-worker python3 benchmarks/bench_lora_worker.py --shapes 1b --json "$OUT/lora_worker.json"
 else
-  # --sweep first compares the launch variants (PDL, preloading expand) and keeps the fastest
+  # --sweep first compares the launch variants (PDL, preloading expand, B vector loads) and keeps
+  # the fastest for the table
   step kernels python3 benchmarks/bench_kernels.py --sweep --out "$OUT"
   step engine python3 benchmarks/bench_engine.py --out "$OUT/engine.md"
   step lora-worker python3 benchmarks/bench_lora_worker.py --json "$OUT/lora_worker.json"

@@ -47,21 +47,18 @@ def item_rows(work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, rank
 
 
 @triton.jit
-def sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT: tl.constexpr):
-    """s of one row tile: the sum of the shrink's `split` K-chunk partials (fp32)."""
+def sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT: tl.constexpr, UNROLL: tl.constexpr):
+    """s of one row tile: the sum of the shrink's `split` K-chunk partials (fp32). UNROLL issues all
+    MAX_SPLIT (masked) loads at once; otherwise a run-time loop keeps one partial in registers at a
+    time (wide rank tiles, which would spill)."""
     st = tl.zeros(s_mask.shape, dtype=tl.float32)
-    for kc in tl.static_range(MAX_SPLIT):
-        st += tl.load(s_base + kc * part_stride + rs[None, :], mask=s_mask & (rs[None, :] * 0 + kc < split),
-                      other=0.0)
-    return st
-
-
-@triton.jit
-def sum_partials_loop(s_base, part_stride, rs, s_mask, split):
-    """sum_partials with a run-time loop: one partial in registers at a time (wide rank tiles)."""
-    st = tl.zeros(s_mask.shape, dtype=tl.float32)
-    for kc in range(0, split):
-        st += tl.load(s_base + kc * part_stride + rs[None, :], mask=s_mask, other=0.0)
+    if UNROLL:
+        for kc in tl.static_range(MAX_SPLIT):
+            st += tl.load(s_base + kc * part_stride + rs[None, :], mask=s_mask & (rs[None, :] * 0 + kc < split),
+                          other=0.0)
+    else:
+        for kc in range(0, split):
+            st += tl.load(s_base + kc * part_stride + rs[None, :], mask=s_mask, other=0.0)
     return st
 
 
@@ -224,7 +221,7 @@ def expand_kernel(
                     bt = load_b(b_slot, ns, offs_r, ns < n_hi, rank, max_rank, B_VEC)
                 if WAIT_PRIOR:
                     tl.extra.cuda.gdc_wait()
-                st = sum_partials(s_base, part_stride, offs_r, s_mask, split, MAX_SPLIT)
+                st = sum_partials(s_base, part_stride, offs_r, s_mask, split, MAX_SPLIT, True)
                 if not IEEE:
                     st = st.to(b_ptr.dtype.element_ty)
                 for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -254,8 +251,7 @@ def expand_kernel(
                         rs = r0 + offs_r
                         r_ok = rs < rank
                         s_mask = row_ok[:, None] & r_ok[None, :]
-                        st = sum_partials_loop(s_base, part_stride, rs, s_mask, split)
-                        bt = tl.load(b_slot + ns[None, :] * max_rank + rs[:, None],
-                                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                        st = sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT, False)
+                        bt = load_b(b_slot, ns, rs, n_ok, rank, max_rank, B_VEC)
                         acc += mma(st.to(bt.dtype), bt, IEEE)
                     tl.store(y_rows + ns[None, :], (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)

@@ -79,7 +79,8 @@ class ExpandPlan:
     single_r: bool
     num_warps: int
     num_stages: int
-    preload: bool = False
+    preload: bool = False  # the item's first B and y tiles load before its s
+    b_vec: int = 1  # elements per B load vector along the rank (1: exact rank masks)
 
 
 def _pow2(n: int) -> int:
@@ -153,7 +154,10 @@ def plan_expand(num_tokens: int, max_rank: int, elem_size: int, preload: bool = 
         max_elems = PRELOAD_TILE_ELEMS if preload else EXPAND_TILE_ELEMS
     while block_n > 32 and block_n * block_r > max_elems:
         block_n //= 2
-    return ExpandPlan(block_m, block_n, block_r, tiles, single_r, num_warps, 3 if single_r else 1, preload)
+    # 16-byte B vectors where they fit the buffer rank; the wider single-rank tiles spill with them
+    vec = 16 // elem_size
+    b_vec = vec if B_VECTOR_LOADS and max_rank % vec == 0 and max_rank <= B_VECTOR_MAX_RANK else 1
+    return ExpandPlan(block_m, block_n, block_r, tiles, single_r, num_warps, 3 if single_r else 1, preload, b_vec)
 
 
 def _work(batch: LoRABatch, block_m: int) -> tuple[torch.Tensor, ...]:
@@ -201,7 +205,8 @@ def _launch_expand(
         SHRINK_BLOCK_K=shrink.block_k, MAX_SPLIT=shrink.max_split, MAX_CHUNK_TILES=plan.max_chunk_tiles,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.block_r,
         SINGLE_R=plan.single_r, IEEE=y.dtype == torch.float32, I64=_needs_i64(part, lora_b, y),
-        B_VEC=_b_vector(lora_b), PRELOAD=plan.preload, WAIT_PRIOR=pdl, num_warps=plan.num_warps, num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
+        B_VEC=plan.b_vec, PRELOAD=plan.preload, WAIT_PRIOR=pdl, num_warps=plan.num_warps,
+        num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -260,14 +265,6 @@ def add_lora(
     expand = plan_expand(num_tokens, max_rank, y.element_size(), preload)
     _launch_expand(part, shrink, x.shape[1], lora_b, ranks, batch, offsets, y, expand, num_sms, pdl)
     return y
-
-
-def _b_vector(lora_b: torch.Tensor) -> int:
-    """Elements per 16-byte B load along the rank: for buffer ranks that are a multiple of it, up
-    to B_VECTOR_MAX_RANK (the wider single-rank tiles spill registers with vector loads)."""
-    vec = 16 // lora_b.element_size()
-    max_rank = lora_b.shape[2]
-    return vec if B_VECTOR_LOADS and max_rank % vec == 0 and max_rank <= B_VECTOR_MAX_RANK else 1
 
 
 def _needs_i64(*tensors: torch.Tensor) -> bool:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
@@ -32,7 +31,6 @@ if os.environ.get("LORASERVE_EXPECT_TRITON", triton.__version__) != triton.__ver
 
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
 
 
 class Recorder:

@@ -196,9 +196,9 @@ def test_abort_frees_blocks(tiny_model_dir: Path, tok) -> None:
 
 
 def test_decode_graphs_are_captured_once_after_the_adapter_manager(tiny_model_dir) -> None:
-    """Graphs are captured when the engine starts (or at its first step), not at construction, so
-    a worker that installs its adapter manager after building the engine captures them once, with
-    the manager's LoRA path; a manager installed after capture captures again."""
+    """Graphs are captured when the engine starts (or at its first step), so a worker that installs
+    its adapter manager after building the engine captures them once, with the manager's LoRA path;
+    a manager installed after capture captures again."""
     engine = make_engine(tiny_model_dir, use_cuda_graphs=True)
     runner = engine.runner
     captures: list[bool] = []
@@ -209,7 +209,6 @@ def test_decode_graphs_are_captured_once_after_the_adapter_manager(tiny_model_di
 
     runner._want_graphs = True  # as on a CUDA device
     runner._capture_graphs = fake_capture
-    assert captures == []  # nothing at construction
 
     class Manager:
         supports_cuda_graphs = True
