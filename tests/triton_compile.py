@@ -46,6 +46,15 @@ class Recorder:
         return launch
 
 
+def record_launches(monkeypatch, module: Any, *names: str, into: list | None = None) -> list:
+    """Replace the JIT kernels `names` of `module` by Recorders for the test; -> the list (`into`,
+    or a new one) of (kernel, args, kwargs) they record, in launch order."""
+    launches: list = [] if into is None else into
+    for name in names:
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name), launches))
+    return launches
+
+
 def compile_launch(kernel: Any, args: tuple, kwargs: dict) -> Any:
     """Compile one recorded launch for sm_90 the way Triton's launcher would: each argument is
     typed and specialized by Triton's own rules (16-byte aligned pointers and ints divisible by 16

@@ -10,24 +10,18 @@ import torch
 pytest.importorskip("triton")
 
 from inference_worker.model import decode_attention, fused_ops  # noqa: E402
-from tests.triton_compile import Recorder, compile_launch, resources  # noqa: E402
+from tests.triton_compile import compile_launch, record_launches, resources  # noqa: E402
 
 # (hidden, intermediate, heads, kv heads, head_dim)
 SHAPES = {"1b": (2048, 8192, 32, 8, 64), "8b": (4096, 14336, 32, 8, 128)}
-
-
-def _record(monkeypatch, module, names: list[str], launches: list) -> None:
-    for name in names:
-        monkeypatch.setattr(module, name, Recorder(getattr(module, name), launches))
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_worker_kernels_compile_for_hopper(monkeypatch, shape) -> None:
     hidden, inter, nh, nkv, d = SHAPES[shape]
     t, bf16 = 3, torch.bfloat16
-    launches: list = []
-    _record(monkeypatch, fused_ops, ["_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel"], launches)
-    _record(monkeypatch, decode_attention, ["_decode_part_kernel", "_decode_reduce_kernel"], launches)
+    launches = record_launches(monkeypatch, fused_ops, "_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel")
+    record_launches(monkeypatch, decode_attention, "_decode_part_kernel", "_decode_reduce_kernel", into=launches)
     x = torch.zeros(t, hidden, dtype=bf16)
     fused_ops.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5)
     fused_ops.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5, residual=x)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels import LoRABatch, triton_ops  # noqa: E402
-from tests.triton_compile import Recorder, compile_launch, resources  # noqa: E402
+from tests.triton_compile import compile_launch, record_launches, resources  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -49,9 +49,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-S{s[1]}-r{s[4]}-{TYPES[s[5]]}" for s in SHAPES])
 def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
     num_tokens, num_slices, din, width, max_rank, dtype = shape
-    launches: list = []
-    monkeypatch.setattr(triton_ops, "shrink_kernel", Recorder(triton_ops.shrink_kernel, launches))
-    monkeypatch.setattr(triton_ops, "expand_kernel", Recorder(triton_ops.expand_kernel, launches))
+    launches = record_launches(monkeypatch, triton_ops, "shrink_kernel", "expand_kernel")
     monkeypatch.setattr(triton_ops, "USE_PDL", pdl)
     monkeypatch.setattr(triton_ops, "pdl_supported", lambda device: True)
     y, x, lora_a, lora_b, ranks, offsets = _group(num_tokens, num_slices, din, width, max_rank, dtype)
@@ -79,9 +77,7 @@ def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
 
 
 def test_64_bit_offset_variants_compile(monkeypatch) -> None:
-    launches: list = []
-    monkeypatch.setattr(triton_ops, "shrink_kernel", Recorder(triton_ops.shrink_kernel, launches))
-    monkeypatch.setattr(triton_ops, "expand_kernel", Recorder(triton_ops.expand_kernel, launches))
+    launches = record_launches(monkeypatch, triton_ops, "shrink_kernel", "expand_kernel")
     monkeypatch.setattr(triton_ops, "_needs_i64", lambda *tensors: True)
     y, x, lora_a, lora_b, ranks, offsets = _group(64, 3, 256, 64, 16, torch.bfloat16)
     batch = LoRABatch.allocate(64, 4, "cpu", max_slices=3, max_rank=16)
@@ -96,8 +92,7 @@ def test_64_bit_offset_variants_compile(monkeypatch) -> None:
 def test_prepare_kernel_compiles(monkeypatch, max_loras) -> None:
     import kernels.batch_kernel as batch_kernel
 
-    launches: list = []
-    monkeypatch.setattr(batch_kernel, "prepare_kernel", Recorder(batch_kernel.prepare_kernel, launches))
+    launches = record_launches(monkeypatch, batch_kernel, "prepare_kernel")
     batch = LoRABatch.allocate(512, max_loras, "cpu")
     batch.prepare(torch.zeros(100, dtype=torch.int32), use_triton=True)
     ((kernel, args, kwargs),) = launches
