@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
-PROTO_OUT := clients/proto
+PROTO_OUT := .
 PROTOS := $(wildcard protos/loraserve/v1/*.proto)
 DEMO_DIR ?= .loraserve-demo
 # protoc finds its mypy plugins (protoc-gen-mypy, protoc-gen-mypy_grpc) on PATH.
@@ -42,14 +42,20 @@ $(GPU_TRITON_DIR)/.installed: | install
 
 check-gpu-compile: $(GPU_TRITON_DIR)/.installed
 	LORASERVE_EXPECT_TRITON=$(GPU_TRITON) PYTHONPATH=$(abspath $(GPU_TRITON_DIR)):$(CURDIR) $(PY) -m pytest -q -p no:cacheprovider \
-		tests/kernels/test_sgmv_compile.py tests/inference_worker/test_kernels_compile.py
+		tests/kernels/test_sgmv_compile.py tests/inference_worker/model/test_kernels_compile.py
 
-# ruff over the tree, mypy over the typed packages.
+# ruff over the tree, mypy over the whole `loraserve` namespace. mypy cannot follow the editable
+# install's import hook, so it reads the namespace through a tree of links laid out as installed.
+TYPECHECK := $(VENV)/typecheck
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy adapter_store kernels clients inference_worker
+	$(VENV)/bin/ruff format --check .
+	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/loraserve && \
+	for f in loraserve/*; do ln -s $(CURDIR)/$$f $(TYPECHECK)/loraserve/; done && \
+	for p in adapter_store inference_worker kernels clients; do ln -s $(CURDIR)/$$p $(TYPECHECK)/loraserve/$$p; done
+	cd $(TYPECHECK) && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p loraserve
 
-# Regenerates the gRPC stubs and their mypy stubs into clients/proto (committed).
+# Regenerates the gRPC stubs and their mypy stubs into loraserve/v1 (committed).
 protos: install
 	$(PY) -m grpc_tools.protoc -I protos --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
 		--mypy_out=$(PROTO_OUT) --mypy_grpc_out=$(PROTO_OUT) $(PROTOS)

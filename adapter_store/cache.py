@@ -12,13 +12,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from adapter_store.optimize import OptimizedAdapter
-from adapter_store.registry import AdapterRecord
+from loraserve.adapter_store.optimize import OptimizedAdapter
+from loraserve.adapter_store.registry import AdapterRecord
 
 
 class AdapterCache:
-    def __init__(self, max_adapters: int, max_bytes: int,
-                 on_evict: Callable[[str, OptimizedAdapter], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_adapters: int,
+        max_bytes: int,
+        on_evict: Callable[[str, OptimizedAdapter], None] | None = None,
+    ) -> None:
         self.max_adapters, self.max_bytes = max_adapters, max_bytes
         # adapter id -> (last known record, payload), least recently used first
         self._entries: OrderedDict[str, tuple[AdapterRecord, OptimizedAdapter]] = OrderedDict()
@@ -26,7 +30,9 @@ class AdapterCache:
         self._lock = threading.Lock()
         self._on_evict = on_evict
 
-    def get(self, adapter_id: str, digest: str, record: AdapterRecord | None = None) -> OptimizedAdapter | None:
+    def get(
+        self, adapter_id: str, digest: str, record: AdapterRecord | None = None
+    ) -> OptimizedAdapter | None:
         """The cached payload of that digest (an entry of another digest is dropped); on a hit, record
         (the registry's current one) becomes the entry's last known record."""
         with self._lock:

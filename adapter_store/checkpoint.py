@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adapter_store.errors import InvalidArgument
+from loraserve.adapter_store.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -23,6 +23,9 @@ PICKLE_FILE = "adapter_model.bin"
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20
+# Deepest nesting of arrays/objects accepted in adapter_config.json or a safetensors header; real
+# ones nest 3 levels. Deeper input is refused, never a RecursionError.
+MAX_JSON_DEPTH = 32
 
 # safetensors dtype tag -> (torch dtype, bytes per element); only float types are accepted.
 FLOAT_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -55,13 +58,29 @@ class PeftCheckpoint:
     tensors: dict[str, torch.Tensor]
 
 
+def load_json(data: bytes, what: str) -> object:
+    """Parse untrusted JSON: any malformed or too deeply nested input is InvalidArgument."""
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(f"{what} is not valid JSON: {exc}") from exc
+    except RecursionError:  # the C decoder stops at the interpreter's recursion limit
+        raise InvalidArgument(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    # iterative walk: no recursion on input shape
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidArgument(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return value
+
+
 def parse_config(data: bytes) -> dict:
     if len(data) > MAX_CONFIG_BYTES:
         raise InvalidArgument(f"{CONFIG_FILE} is {len(data)} bytes, over the {MAX_CONFIG_BYTES} byte limit")
-    try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
+    config = load_json(data, CONFIG_FILE)
     if not isinstance(config, dict):
         raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
     return config
@@ -76,11 +95,9 @@ def parse_header(data: bytes | memoryview, *, max_tensors: int) -> tuple[list[Te
     if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
         raise InvalidArgument(
             f"{WEIGHTS_FILE} header claims {header_len} bytes but the file holds {size} bytes "
-            "(truncated or corrupt)")
-    try:
-        header = json.loads(bytes(data[8:8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{WEIGHTS_FILE} header is not valid JSON (corrupt file): {exc}") from exc
+            "(truncated or corrupt)"
+        )
+    header = load_json(bytes(data[8 : 8 + header_len]), f"{WEIGHTS_FILE} header (corrupt file?)")
     if not isinstance(header, dict):
         raise InvalidArgument(f"{WEIGHTS_FILE} header must be a JSON object")
     header.pop("__metadata__", None)
@@ -102,25 +119,35 @@ def _tensor_header(name: str, info: object, data_len: int) -> TensorHeader:
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in FLOAT_DTYPES:
         raise InvalidArgument(
-            f"tensor {name!r} has dtype {dtype!r}; only float dtypes {sorted(FLOAT_DTYPES)} are accepted")
-    if not (isinstance(shape, list) and len(shape) <= 8
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            f"tensor {name!r} has dtype {dtype!r}; only float dtypes {sorted(FLOAT_DTYPES)} are accepted"
+        )
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= 8
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
         raise InvalidArgument(f"tensor {name!r} has a malformed shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
         raise InvalidArgument(f"tensor {name!r} has malformed data_offsets {offsets!r}")
     begin, end = offsets
     nbytes = math.prod(shape) * FLOAT_DTYPES[dtype][1]
     if nbytes > data_len:
         raise InvalidArgument(
-            f"tensor {name!r} claims {nbytes} bytes (shape {shape}) but the file holds only {data_len}")
+            f"tensor {name!r} claims {nbytes} bytes (shape {shape}) but the file holds only {data_len}"
+        )
     if not 0 <= begin <= end <= data_len:
         raise InvalidArgument(
             f"tensor {name!r} has data_offsets [{begin}, {end}] outside the {data_len} byte data section "
-            "(truncated or corrupt file)")
+            "(truncated or corrupt file)"
+        )
     if end - begin != nbytes:
         raise InvalidArgument(
-            f"tensor {name!r} spans {end - begin} bytes but shape {shape} x {dtype} needs {nbytes}")
+            f"tensor {name!r} spans {end - begin} bytes but shape {shape} x {dtype} needs {nbytes}"
+        )
     return TensorHeader(name, dtype, tuple(shape), begin, end)
 
 
@@ -139,7 +166,9 @@ def load_tensors(data: bytes, *, max_tensors: int) -> dict[str, torch.Tensor]:
                 warnings.simplefilter("ignore", UserWarning)
                 t = torch.frombuffer(data, dtype=torch_dtype, count=count, offset=data_start + e.begin)
         else:  # misaligned for its dtype: copy
-            t = torch.frombuffer(bytearray(data[data_start + e.begin:data_start + e.end]), dtype=torch_dtype)
+            t = torch.frombuffer(
+                bytearray(data[data_start + e.begin : data_start + e.end]), dtype=torch_dtype
+            )
         tensors[e.name] = t.reshape(e.shape)
     return tensors
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.adapter_layout import CHUNK_SIZE, DTYPES
-from clients.settings import config_from_args
+from loraserve.contract.adapter_layout import CHUNK_SIZE, DTYPES
+from loraserve.serving.settings import config_from_args
 
 _HELP = {
     "host": "address to listen on",
@@ -90,8 +90,13 @@ class StoreConfig:
             problems.append("max_lora_rank must be in [1, 1024]")
         if not 1 <= self.chunk_bytes <= CHUNK_SIZE:
             problems.append(f"chunk_bytes must be in [1, {CHUNK_SIZE}]")
-        for name in ("max_adapter_bytes", "max_tensors", "cache_max_adapters", "cache_max_bytes",
-                     "max_pending_registrations"):
+        for name in (
+            "max_adapter_bytes",
+            "max_tensors",
+            "cache_max_adapters",
+            "cache_max_bytes",
+            "max_pending_registrations",
+        ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
         if self.grace_period_s < 0 or self.s3_timeout_s <= 0:
@@ -117,8 +122,11 @@ class StoreConfig:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read the base model config {path}: {exc}") from exc
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-                   if k not in config]
+        missing = [
+            k
+            for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if k not in config
+        ]
         if missing:
             raise ValueError(f"base model config {path} lacks {missing}")
         return config
@@ -130,6 +138,15 @@ class StoreConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> StoreConfig:
-        return config_from_args(cls, argv, env, prog="loraserve store",
-                                description="Run the adapter store service.", help=_HELP, required=("base_model",))
+    def from_args(
+        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> StoreConfig:
+        return config_from_args(
+            cls,
+            argv,
+            env,
+            prog="loraserve store",
+            description="Run the adapter store service.",
+            help=_HELP,
+            required=("base_model",),
+        )

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from adapter_store.validate import module_path, pattern_key
-from clients.adapter_layout import MODULES, module_shapes
+from loraserve.adapter_store.pattern_keys import first_matching_key
+from loraserve.adapter_store.validate import module_path
+from loraserve.contract.adapter_layout import MODULES, module_shapes
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,26 @@ class DemoAdapterSpec:
 DEMO_ADAPTERS = (
     DemoAdapterSpec("demo-qv-r8", r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"), seed=1),
     DemoAdapterSpec("demo-all-r16", r=16, lora_alpha=16, target_modules=MODULES, use_rslora=True, seed=2),
-    DemoAdapterSpec("demo-mlp-r4", r=4, lora_alpha=8, target_modules=("gate_proj", "up_proj", "down_proj"),
-                    rank_pattern={"down_proj": 2}, seed=3),
+    DemoAdapterSpec(
+        "demo-mlp-r4",
+        r=4,
+        lora_alpha=8,
+        target_modules=("gate_proj", "up_proj", "down_proj"),
+        rank_pattern={"down_proj": 2},
+        seed=3,
+    ),
 )
 
 
-def write_peft_adapter(out_dir: str | Path, base_config: dict, spec: DemoAdapterSpec, *,
-                       dtype: torch.dtype = torch.float32, base_model_name: str = "",
-                       b_std: float = 0.05) -> Path:
+def write_peft_adapter(
+    out_dir: str | Path,
+    base_config: dict,
+    spec: DemoAdapterSpec,
+    *,
+    dtype: torch.dtype = torch.float32,
+    base_model_name: str = "",
+    b_std: float = 0.05,
+) -> Path:
     """Write one adapter with random non-zero A and B (PEFT's B starts at zero: a no-op adapter)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,7 +70,7 @@ def write_peft_adapter(out_dir: str | Path, base_config: dict, spec: DemoAdapter
             if module not in spec.target_modules:
                 continue
             path = module_path(layer, module)
-            key = pattern_key(list(spec.rank_pattern), path)
+            key = first_matching_key(list(spec.rank_pattern), path)
             r = spec.rank_pattern[key] if key is not None else spec.r
             in_f, out_f = shapes[module]
             a = torch.randn(r, in_f, generator=g) / math.sqrt(in_f)  # [r, in]
@@ -88,8 +101,9 @@ def write_peft_adapter(out_dir: str | Path, base_config: dict, spec: DemoAdapter
     return out
 
 
-def write_demo_adapters(root: str | Path, base_dir: str | Path,
-                        specs: tuple[DemoAdapterSpec, ...] = DEMO_ADAPTERS) -> dict[str, Path]:
+def write_demo_adapters(
+    root: str | Path, base_dir: str | Path, specs: tuple[DemoAdapterSpec, ...] = DEMO_ADAPTERS
+) -> dict[str, Path]:
     """Write each demo adapter under root/<name> unless it is already there; name -> directory."""
     base_dir = Path(base_dir)
     base_config = json.loads((base_dir / "config.json").read_text())

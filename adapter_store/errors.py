@@ -1,22 +1,16 @@
-"""Domain errors of the adapter store and the one place that maps them to gRPC status codes.
+"""Domain errors of the adapter store, each naming the gRPC status code it is answered with.
 
-Domain modules raise these classes and never import grpc; the servicer turns them into a status
-with `status_of`. Anything that is not a StoreError is a bug and becomes INTERNAL.
+Domain modules raise these and never import grpc; the server's error interceptor maps them
+(loraserve/serving/errors.py). Anything that is not a ServiceError is a bug and becomes INTERNAL.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from loraserve.serving.errors import ServiceError
 
 
-class StoreError(Exception):
-    """Base class; `code` is the name of the gRPC status code it maps to."""
-
-    code = "INTERNAL"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+class StoreError(ServiceError):
+    """Base of the store's expected failures."""
 
 
 class InvalidArgument(StoreError):
@@ -59,12 +53,3 @@ class DataLoss(StoreError):
     """The optimized payload no longer matches the registered digest."""
 
     code = "DATA_LOSS"
-
-
-def status_of(exc: BaseException) -> tuple[Any, str]:
-    """(grpc.StatusCode, message) for an exception raised while serving a request."""
-    import grpc
-
-    if isinstance(exc, StoreError):
-        return getattr(grpc.StatusCode, exc.code), exc.message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

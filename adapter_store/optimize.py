@@ -1,6 +1,6 @@
 """Pre-optimization: a validated PEFT adapter -> the optimized payload of layout v1.
 
-For each layer and each module group the adapter touches (clients/adapter_layout.py):
+For each layer and each module group the adapter touches (loraserve/contract/adapter_layout.py):
     lora_a : [num_slices, r_g, in]   slice i rows [:r_i] = A_i, the rest zero
     lora_b : [out_total, r_g]        rows of slice i, columns [:r_i] = B_i * scale_i (fp32), rest zero
 then cast to the serving dtype and written at 64-byte aligned offsets into one uint8 buffer
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from adapter_store.errors import InvalidArgument
-from adapter_store.validate import LoraAdapter
-from clients.adapter_layout import GROUPS, LAYOUT_VERSION, align, group_dims, tensor_name
-from clients.payload import TORCH_DTYPES, PayloadTensor, tensor_view
+from loraserve.adapter_store.errors import InvalidArgument
+from loraserve.adapter_store.validate import LoraAdapter
+from loraserve.contract.adapter_layout import GROUPS, LAYOUT_VERSION, align, group_dims, tensor_name
+from loraserve.contract.payload import TORCH_DTYPES, PayloadTensor, tensor_view
 
 
 @dataclass
@@ -71,13 +71,15 @@ def optimize(adapter: LoraAdapter, base_config: dict, dtype: str = "bfloat16") -
         for i, (m, n) in enumerate(zip(mods, outs, strict=True)):
             if m is not None:
                 if which == "lora_a":
-                    dst[i, :m.r] = m.a  # [r, in], cast on copy
+                    dst[i, : m.r] = m.a  # [r, in], cast on copy
                 else:
-                    dst[row:row + n, :m.r] = m.b.to(torch.float32) * m.scale  # [out, r]
+                    dst[row : row + n, : m.r] = m.b.to(torch.float32) * m.scale  # [out, r]
             row += n
         if not bool(torch.isfinite(dst).all()):
             # the inputs were finite: scaling (alpha / r) or the cast to the serving dtype overflowed
-            raise InvalidArgument(f"tensor {entry.name}: lora_alpha={adapter.lora_alpha:g} scaling or the cast to "
-                                  f"{dtype} overflows (values beyond the serving dtype's range)")
+            raise InvalidArgument(
+                f"tensor {entry.name}: lora_alpha={adapter.lora_alpha:g} scaling or the cast to "
+                f"{dtype} overflows (values beyond the serving dtype's range)"
+            )
     digest = hashlib.sha256(memoryview(payload.numpy())).hexdigest()  # type: ignore[arg-type]
     return OptimizedAdapter([e for e, _ in plan], payload, digest, adapter.rank, dtype)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from adapter_store.errors import AlreadyExists
+from loraserve.adapter_store.errors import AlreadyExists
 
 
 @dataclass
@@ -68,7 +68,9 @@ class SqliteRegistry:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("CREATE TABLE IF NOT EXISTS adapters (adapter_id TEXT PRIMARY KEY, record TEXT NOT NULL)")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS adapters (adapter_id TEXT PRIMARY KEY, record TEXT NOT NULL)"
+            )
 
     def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
         with self._lock:
@@ -76,9 +78,13 @@ class SqliteRegistry:
             try:
                 old = self._get(record.adapter_id)
                 if old is not None and not overwrite:
-                    raise AlreadyExists(f"adapter {record.adapter_id!r} already exists (set overwrite to replace it)")
-                self._db.execute("INSERT OR REPLACE INTO adapters (adapter_id, record) VALUES (?, ?)",
-                                 (record.adapter_id, record.to_json()))
+                    raise AlreadyExists(
+                        f"adapter {record.adapter_id!r} already exists (set overwrite to replace it)"
+                    )
+                self._db.execute(
+                    "INSERT OR REPLACE INTO adapters (adapter_id, record) VALUES (?, ?)",
+                    (record.adapter_id, record.to_json()),
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapter_store.errors import AlreadyExists, Unavailable
-from adapter_store.registry import AdapterRecord
+from loraserve.adapter_store.errors import AlreadyExists, Unavailable
+from loraserve.adapter_store.registry import AdapterRecord
 
 # KEYS[1] - record key, KEYS[2] - id index, KEYS[3] - event stream
 # ARGV[1] - adapter id, ARGV[2] - record JSON, ARGV[3] - "1" to overwrite, ARGV[4] - new digest
@@ -49,9 +49,12 @@ class RedisRegistry:
 
         self.prefix = prefix
         self._redis = client or redis.Redis.from_url(
-            url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+            url,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-            socket_connect_timeout=2, socket_timeout=5)
+            socket_connect_timeout=2,
+            socket_timeout=5,
+        )
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         self._put = self._redis.register_script(PUT_SCRIPT)
         self._delete = self._redis.register_script(DELETE_SCRIPT)
@@ -69,8 +72,11 @@ class RedisRegistry:
 
     def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
         keys = [self.record_key(record.adapter_id), self.index_key, self.events_key]
-        ok, old = self._call(self._put, keys=keys,
-                             args=[record.adapter_id, record.to_json(), "1" if overwrite else "0", record.digest])
+        ok, old = self._call(
+            self._put,
+            keys=keys,
+            args=[record.adapter_id, record.to_json(), "1" if overwrite else "0", record.digest],
+        )
         if not int(ok):
             raise AlreadyExists(f"adapter {record.adapter_id!r} already exists (set overwrite to replace it)")
         return AdapterRecord.from_json(old) if old else None
@@ -90,7 +96,9 @@ class RedisRegistry:
         total = self._call(self._redis.zcard, self.index_key)
         if not ids:
             return [], int(total)
-        raws = self._call(self._redis.mget, [self.record_key(i.decode() if isinstance(i, bytes) else i) for i in ids])
+        raws = self._call(
+            self._redis.mget, [self.record_key(i.decode() if isinstance(i, bytes) else i) for i in ids]
+        )
         return [AdapterRecord.from_json(r) for r in raws if r], int(total)
 
     def close(self) -> None:

@@ -15,28 +15,30 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from loraserve.v1 import store_pb2
 
-from adapter_store.auth import AdminTokenInterceptor
-from adapter_store.config import StoreConfig
-from adapter_store.metrics import StoreMetrics
-from adapter_store.registry import Registry, SqliteRegistry
-from adapter_store.service import AdapterService
-from adapter_store.servicer import AdapterStoreServicer, add_to_server
-from adapter_store.sources import SourceResolver, boto3_s3_factory
-from clients.background import BackgroundServer
-from clients.channel import bind_port
-from clients.logs import configure_logging
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.metrics import StoreMetrics
+from loraserve.adapter_store.registry import Registry, SqliteRegistry
+from loraserve.adapter_store.service import AdapterService
+from loraserve.adapter_store.servicer import AdapterStoreServicer, add_to_server
+from loraserve.adapter_store.sources import SourceResolver, boto3_s3_factory
+from loraserve.clients.channel import bind_port
+from loraserve.serving.background import BackgroundServer
+from loraserve.serving.interceptors import BearerTokenInterceptor, ErrorStatusInterceptor
+from loraserve.serving.logs import configure_logging
+from loraserve.v1 import store_pb2
 
 log = logging.getLogger("loraserve.store")
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name
+# the RPCs that change the registry; they need the admin token when one is configured
+ADMIN_METHODS = (f"/{SERVICE_NAME}/RegisterAdapter", f"/{SERVICE_NAME}/DeleteAdapter")
 # Room for a 1 MiB chunk plus framing, and for large manifests.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 def open_registry(config: StoreConfig) -> Registry:
     if config.redis_url:
-        from adapter_store.registry_redis import RedisRegistry
+        from loraserve.adapter_store.registry_redis import RedisRegistry
 
         return RedisRegistry(config.redis_url, config.redis_prefix)
     return SqliteRegistry(Path(config.data_dir) / "registry.sqlite3")
@@ -91,16 +93,22 @@ def create_server(config: StoreConfig) -> tuple[StoreServer, int]:
     base_config = config.load_base_config()
     config.root.mkdir(parents=True, exist_ok=True)
     metrics = StoreMetrics()
-    resolver = SourceResolver(config.root, boto3_s3_factory(config.s3_endpoint_url, config.s3_region,
-                                                            config.s3_timeout_s))
+    resolver = SourceResolver(
+        config.root, boto3_s3_factory(config.s3_endpoint_url, config.s3_region, config.s3_timeout_s)
+    )
     service = AdapterService(config, base_config, open_registry(config), resolver, metrics)
-    interceptors = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
+    interceptors = [
+        BearerTokenInterceptor({method: config.admin_token for method in ADMIN_METHODS}),
+        ErrorStatusInterceptor(log),
+    ]
     server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     add_to_server(AdapterStoreServicer(service, config.chunk_bytes), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
     port = bind_port(server, config.host, config.port, config.tls_cert, config.tls_key)
     return StoreServer(server, service, health_servicer, config, metrics), port
 
@@ -108,8 +116,13 @@ def create_server(config: StoreConfig) -> tuple[StoreServer, int]:
 async def serve(config: StoreConfig) -> None:
     store, port = create_server(config)
     await store.start()
-    log.info("adapter store listening on %s:%d (registry: %s, adapter root: %s)", config.host, port,
-             "redis" if config.redis_url else "sqlite", config.root)
+    log.info(
+        "adapter store listening on %s:%d (registry: %s, adapter root: %s)",
+        config.host,
+        port,
+        "redis" if config.redis_url else "sqlite",
+        config.root,
+    )
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -9,10 +9,10 @@ import binascii
 import logging
 import time
 
-from adapter_store.cache import AdapterCache
-from adapter_store.checkpoint import read_checkpoint
-from adapter_store.config import StoreConfig
-from adapter_store.errors import (
+from loraserve.adapter_store.cache import AdapterCache
+from loraserve.adapter_store.checkpoint import read_checkpoint
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.errors import (
     AlreadyExists,
     DataLoss,
     FailedPrecondition,
@@ -21,13 +21,13 @@ from adapter_store.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from adapter_store.flight import SingleFlight
-from adapter_store.metrics import StoreMetrics
-from adapter_store.optimize import OptimizedAdapter, optimize
-from adapter_store.registry import AdapterRecord, Registry
-from adapter_store.sources import AdapterSource, SourceResolver
-from adapter_store.validate import Limits, LoraAdapter, validate
-from clients.adapter_layout import ADAPTER_ID_RE
+from loraserve.adapter_store.flight import SingleFlight
+from loraserve.adapter_store.metrics import StoreMetrics
+from loraserve.adapter_store.optimize import OptimizedAdapter, optimize
+from loraserve.adapter_store.registry import AdapterRecord, Registry
+from loraserve.adapter_store.sources import AdapterSource, SourceResolver
+from loraserve.adapter_store.validate import Limits, LoraAdapter, validate
+from loraserve.contract.adapter_layout import ADAPTER_ID_RE
 
 log = logging.getLogger("loraserve.store")
 
@@ -35,14 +35,22 @@ DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
 
 
 def check_adapter_id(adapter_id: str) -> None:
-    if not ADAPTER_ID_RE.match(adapter_id) or ".." in adapter_id:
-        raise InvalidArgument(f"adapter id {adapter_id[:140]!r} is malformed: it must match "
-                              f"{ADAPTER_ID_RE.pattern} and not contain '..'")
+    if not ADAPTER_ID_RE.fullmatch(adapter_id) or ".." in adapter_id:
+        raise InvalidArgument(
+            f"adapter id {adapter_id[:140]!r} is malformed: it must match "
+            f"{ADAPTER_ID_RE.pattern} and not contain '..'"
+        )
 
 
 class AdapterService:
-    def __init__(self, config: StoreConfig, base_config: dict, registry: Registry, resolver: SourceResolver,
-                 metrics: StoreMetrics | None = None) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        base_config: dict,
+        registry: Registry,
+        resolver: SourceResolver,
+        metrics: StoreMetrics | None = None,
+    ) -> None:
         self.config = config
         self.base_config = base_config
         self.registry = registry
@@ -89,8 +97,10 @@ class AdapterService:
         self._pending_registrations += 1
         try:
             # Keyed on the request as given, so identical concurrent requests join before any await.
-            record = await self.flight.do(("register", adapter_id, source, overwrite),
-                                          lambda: self._register(adapter_id, source, overwrite))
+            record = await self.flight.do(
+                ("register", adapter_id, source, overwrite),
+                lambda: self._register(adapter_id, source, overwrite),
+            )
             self.metrics.registrations.labels("ok").inc()
             return record
         except Exception:
@@ -105,15 +115,32 @@ class AdapterService:
             raise AlreadyExists(f"adapter {adapter_id!r} already exists (set overwrite to replace it)")
         a, o = await asyncio.to_thread(self._build, src, "register")
         record = AdapterRecord(
-            adapter_id=adapter_id, source=src.uri, digest=o.digest, rank=o.rank, lora_alpha=a.lora_alpha,
-            use_rslora=a.use_rslora, target_modules=a.target_modules, dtype=o.dtype, size_bytes=o.total_bytes,
-            base_model=a.base_model, layout_version=o.layout_version, num_tensors=len(o.tensors),
-            rank_pattern=a.rank_pattern, alpha_pattern=a.alpha_pattern)
+            adapter_id=adapter_id,
+            source=src.uri,
+            digest=o.digest,
+            rank=o.rank,
+            lora_alpha=a.lora_alpha,
+            use_rslora=a.use_rslora,
+            target_modules=a.target_modules,
+            dtype=o.dtype,
+            size_bytes=o.total_bytes,
+            base_model=a.base_model,
+            layout_version=o.layout_version,
+            num_tensors=len(o.tensors),
+            rank_pattern=a.rank_pattern,
+            alpha_pattern=a.alpha_pattern,
+        )
         await asyncio.to_thread(self.registry.put, record, overwrite)
         self.cache.put(adapter_id, o, record)
         self._cache_gauges()
-        log.info("registered adapter %s from %s (rank %d, %d bytes, digest %s)",
-                 adapter_id, src.uri, o.rank, o.total_bytes, o.digest[:12])
+        log.info(
+            "registered adapter %s from %s (rank %d, %d bytes, digest %s)",
+            adapter_id,
+            src.uri,
+            o.rank,
+            o.total_bytes,
+            o.digest[:12],
+        )
         return record
 
     async def get(self, adapter_id: str) -> AdapterRecord:
@@ -145,7 +172,9 @@ class AdapterService:
         log.info("deleted adapter %s", adapter_id)
         return record
 
-    async def open_fetch(self, adapter_id: str, offset: int, digest: str) -> tuple[AdapterRecord, OptimizedAdapter]:
+    async def open_fetch(
+        self, adapter_id: str, offset: int, digest: str
+    ) -> tuple[AdapterRecord, OptimizedAdapter]:
         """The record and optimized payload to stream from `offset`; rebuilt from source on a cache miss."""
         self._check_serving()
         try:
@@ -156,17 +185,23 @@ class AdapterService:
             known = self.cache.known_record(adapter_id)
             if known is None:
                 raise
-            log.warning("registry unreachable: serving cached adapter %s from its last known record", adapter_id)
+            log.warning(
+                "registry unreachable: serving cached adapter %s from its last known record", adapter_id
+            )
             record = known
         if digest and digest != record.digest:
-            raise FailedPrecondition(f"adapter {adapter_id!r} has digest {record.digest}, not the requested "
-                                     f"{digest} (it was re-registered)")
+            raise FailedPrecondition(
+                f"adapter {adapter_id!r} has digest {record.digest}, not the requested "
+                f"{digest} (it was re-registered)"
+            )
         optimized = self.cache.get(adapter_id, record.digest, record)
         if optimized is not None:
             self.metrics.cache_hits.inc()
         else:
             self.metrics.cache_misses.inc()
-            optimized = await self.flight.do(("build", adapter_id, record.digest), lambda: self._rebuild(record))
+            optimized = await self.flight.do(
+                ("build", adapter_id, record.digest), lambda: self._rebuild(record)
+            )
         if not 0 <= offset <= optimized.total_bytes:
             raise InvalidArgument(f"offset {offset} is outside the payload of {optimized.total_bytes} bytes")
         self.metrics.fetches.inc()
@@ -176,9 +211,11 @@ class AdapterService:
         src = await asyncio.to_thread(self.resolver.resolve, record.source)
         _, optimized = await asyncio.to_thread(self._build, src, "rebuild")
         if optimized.digest != record.digest:
-            raise DataLoss(f"adapter {record.adapter_id!r}: its source {record.source} now optimizes to digest "
-                           f"{optimized.digest}, not the registered {record.digest}; the checkpoint "
-                           "changed since registration (re-register it with overwrite)")
+            raise DataLoss(
+                f"adapter {record.adapter_id!r}: its source {record.source} now optimizes to digest "
+                f"{optimized.digest}, not the registered {record.digest}; the checkpoint "
+                "changed since registration (re-register it with overwrite)"
+            )
         self.cache.put(record.adapter_id, optimized, record)
         self._cache_gauges()
         return optimized

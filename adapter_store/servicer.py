@@ -1,63 +1,56 @@
-"""The AdapterStore gRPC servicer: protobuf in -> AdapterService -> protobuf out. Errors become
-statuses through errors.status_of, the one mapping of the service."""
+"""The AdapterStore gRPC servicer: protobuf in -> AdapterService -> protobuf out. Domain errors
+propagate; the server's error interceptor (loraserve/serving/interceptors.py) makes them statuses."""
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
+
+from loraserve.adapter_store.optimize import OptimizedAdapter
+from loraserve.adapter_store.registry import AdapterRecord
+from loraserve.adapter_store.service import AdapterService
+from loraserve.contract.chunk_codec import encode_chunk, serialize_response
 from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
-
-from adapter_store.errors import StoreError, status_of
-from adapter_store.optimize import OptimizedAdapter
-from adapter_store.registry import AdapterRecord
-from adapter_store.service import AdapterService
-from clients.chunk_codec import encode_chunk, serialize_response
-
-log = logging.getLogger("loraserve.store")
 
 
 def record_to_pb(r: AdapterRecord) -> adapter_pb2.AdapterInfo:
     created = Timestamp()
     created.FromNanoseconds(int(r.created_at * 1e9))
     return adapter_pb2.AdapterInfo(
-        adapter_id=r.adapter_id, digest=r.digest, rank=r.rank, lora_alpha=r.lora_alpha, use_rslora=r.use_rslora,
-        target_modules=r.target_modules, dtype=r.dtype, size_bytes=r.size_bytes, base_model=r.base_model,
-        created_at=created, source=r.source, layout_version=r.layout_version, rank_pattern=r.rank_pattern,
-        alpha_pattern=r.alpha_pattern, num_tensors=r.num_tensors,
-        state=adapter_pb2.AdapterState.Value(f"ADAPTER_STATE_{r.state}"))
+        adapter_id=r.adapter_id,
+        digest=r.digest,
+        rank=r.rank,
+        lora_alpha=r.lora_alpha,
+        use_rslora=r.use_rslora,
+        target_modules=r.target_modules,
+        dtype=r.dtype,
+        size_bytes=r.size_bytes,
+        base_model=r.base_model,
+        created_at=created,
+        source=r.source,
+        layout_version=r.layout_version,
+        rank_pattern=r.rank_pattern,
+        alpha_pattern=r.alpha_pattern,
+        num_tensors=r.num_tensors,
+        state=adapter_pb2.AdapterState.Value(f"ADAPTER_STATE_{r.state}"),
+    )
 
 
 def manifest_to_pb(r: AdapterRecord, o: OptimizedAdapter) -> store_pb2.AdapterManifest:
     return store_pb2.AdapterManifest(
         adapter=record_to_pb(r),
-        tensors=[store_pb2.TensorEntry(name=t.name, shape=t.shape, dtype=t.dtype, offset=t.offset, nbytes=t.nbytes)
-                 for t in o.tensors],
-        total_bytes=o.total_bytes, digest=o.digest, layout_version=o.layout_version, rank=o.rank)
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    code, message = status_of(exc)
-    if isinstance(exc, StoreError):
-        log.info("%s -> %s: %s", method, code.name, message)
-    else:
-        log.exception("%s failed unexpectedly", method, exc_info=exc)
-    await context.abort(code, message)
-
-
-def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await fn(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
-            await _abort(context, exc, fn.__name__)
-
-    return wrapper
+        tensors=[
+            store_pb2.TensorEntry(name=t.name, shape=t.shape, dtype=t.dtype, offset=t.offset, nbytes=t.nbytes)
+            for t in o.tensors
+        ],
+        total_bytes=o.total_bytes,
+        digest=o.digest,
+        layout_version=o.layout_version,
+        rank=o.rank,
+    )
 
 
 class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
@@ -65,32 +58,27 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         self.service = service
         self.chunk_bytes = chunk_bytes
 
-    @_unary
-    async def RegisterAdapter(self, request, context):  # noqa: N802
+    async def RegisterAdapter(self, request, context):
         record = await self.service.register(request.adapter_id, request.source, request.overwrite)
         return record_to_pb(record)
 
-    @_unary
-    async def GetAdapter(self, request, context):  # noqa: N802
+    async def GetAdapter(self, request, context):
         return record_to_pb(await self.service.get(request.adapter_id))
 
-    @_unary
-    async def ListAdapters(self, request, context):  # noqa: N802
+    async def ListAdapters(self, request, context):
         records, token, total = await self.service.list(request.page_size, request.page_token)
-        return store_pb2.ListAdaptersResponse(adapters=[record_to_pb(r) for r in records],
-                                              next_page_token=token, total_count=total)
+        return store_pb2.ListAdaptersResponse(
+            adapters=[record_to_pb(r) for r in records], next_page_token=token, total_count=total
+        )
 
-    @_unary
-    async def DeleteAdapter(self, request, context):  # noqa: N802
+    async def DeleteAdapter(self, request, context):
         record = await self.service.delete(request.adapter_id)
         return store_pb2.DeleteAdapterResponse(adapter=record_to_pb(record))
 
-    async def FetchAdapter(self, request, context) -> AsyncIterator[store_pb2.FetchAdapterResponse | bytes]:  # noqa: N802
-        try:
-            record, optimized = await self.service.open_fetch(request.adapter_id, request.offset, request.digest)
-        except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc, "FetchAdapter")
-            return
+    async def FetchAdapter(  # type: ignore[override]  # pre-serialized bytes chunks, see serialize_response
+        self, request, context
+    ) -> AsyncIterator[store_pb2.FetchAdapterResponse | bytes]:
+        record, optimized = await self.service.open_fetch(request.adapter_id, request.offset, request.digest)
         yield store_pb2.FetchAdapterResponse(manifest=manifest_to_pb(record, optimized))
         # The payload stays referenced by `optimized` for the whole stream, even if evicted meanwhile.
         view = memoryview(optimized.payload.numpy())  # type: ignore[arg-type]
@@ -105,19 +93,26 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
 
 def add_to_server(servicer: AdapterStoreServicer, server: grpc.aio.Server) -> None:
     """Like the generated add_AdapterStoreServicer_to_server, except that FetchAdapter's serializer
-    lets pre-encoded chunks (clients/chunk_codec.py) through untouched."""
-    unary = {
+    lets pre-encoded chunks (loraserve/contract/chunk_codec.py) through untouched."""
+    unary: dict[str, tuple[Any, Any]] = {
         "RegisterAdapter": (store_pb2.RegisterAdapterRequest, adapter_pb2.AdapterInfo),
         "GetAdapter": (store_pb2.GetAdapterRequest, adapter_pb2.AdapterInfo),
         "ListAdapters": (store_pb2.ListAdaptersRequest, store_pb2.ListAdaptersResponse),
         "DeleteAdapter": (store_pb2.DeleteAdapterRequest, store_pb2.DeleteAdapterResponse),
     }
-    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
-                                                          response_serializer=resp.SerializeToString)
-                for name, (req, resp) in unary.items()}
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=req.FromString,
+            response_serializer=resp.SerializeToString,
+        )
+        for name, (req, resp) in unary.items()
+    }
     handlers["FetchAdapter"] = grpc.unary_stream_rpc_method_handler(
-        servicer.FetchAdapter, request_deserializer=store_pb2.FetchAdapterRequest.FromString,
-        response_serializer=serialize_response)
+        servicer.FetchAdapter,
+        request_deserializer=store_pb2.FetchAdapterRequest.FromString,
+        response_serializer=serialize_response,
+    )
     name = store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)

@@ -11,11 +11,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from adapter_store.checkpoint import CONFIG_FILE, MAX_CONFIG_BYTES, PICKLE_FILE, PICKLE_MESSAGE, WEIGHTS_FILE
-from adapter_store.errors import FailedPrecondition, InvalidArgument, NotFound, StoreError, Unavailable
+from loraserve.adapter_store.checkpoint import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    PICKLE_FILE,
+    PICKLE_MESSAGE,
+    WEIGHTS_FILE,
+)
+from loraserve.adapter_store.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StoreError,
+    Unavailable,
+)
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_KEY_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,254}$")
+# checked with fullmatch: `$` would also match before a trailing newline
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_KEY_PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,254}")
 MAX_SOURCE_LEN = 1024
 
 
@@ -91,7 +104,7 @@ class S3Source(AdapterSource):
     def size(self, name: str) -> int | None:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self._key(name))
-        except Exception as exc:  # noqa: BLE001 - botocore errors are classified below
+        except Exception as exc:
             err = s3_error(exc, f"s3://{self.bucket}/{self._key(name)}")
             if isinstance(err, NotFound):
                 return None
@@ -103,7 +116,7 @@ class S3Source(AdapterSource):
         where = f"s3://{self.bucket}/{self._key(name)}"
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise s3_error(exc, where) from exc
         body = response["Body"]
         try:
@@ -113,7 +126,7 @@ class S3Source(AdapterSource):
             data = body.read(max_bytes + 1)
         except StoreError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise s3_error(exc, where) from exc
         finally:
             body.close()
@@ -168,12 +181,12 @@ class SourceResolver:
 
 def parse_s3(source: str) -> tuple[str, str]:
     """s3://bucket/a/b -> ("bucket", "a/b"); every part validated so no key can escape the prefix."""
-    bucket, _, prefix = source[len("s3://"):].partition("/")
-    if not _BUCKET_RE.match(bucket):
+    bucket, _, prefix = source[len("s3://") :].partition("/")
+    if not _BUCKET_RE.fullmatch(bucket):
         raise InvalidArgument(f"source {source!r}: {bucket!r} is not a valid S3 bucket name")
     parts = [p for p in prefix.strip("/").split("/")] if prefix.strip("/") else []
     for part in parts:
-        if not _KEY_PART_RE.match(part) or part in (".", "..") or ".." in part:
+        if not _KEY_PART_RE.fullmatch(part) or part in (".", "..") or ".." in part:
             raise InvalidArgument(f"source {source!r}: key part {part!r} is not allowed")
     return bucket, "/".join(parts)
 
@@ -185,8 +198,9 @@ def boto3_s3_factory(endpoint_url: str | None, region: str | None, timeout_s: fl
         import boto3
         from botocore.config import Config
 
-        cfg = Config(connect_timeout=timeout_s, read_timeout=timeout_s,
-                     retries={"max_attempts": 2, "mode": "standard"})
+        cfg = Config(
+            connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 2, "mode": "standard"}
+        )
         return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=cfg)
 
     return make

@@ -3,8 +3,9 @@
 PEFT saves LoRA weights as `base_model.model.<module path>.lora_A.weight` ([r, in]) and
 `.lora_B.weight` ([out, r]); the module path of a Llama-family model is
 `model.layers.{L}.self_attn.{q,k,v,o}_proj` or `model.layers.{L}.mlp.{gate,up,down}_proj`.
-Per-module rank and alpha follow PEFT's own rule: the first `rank_pattern` / `alpha_pattern` key
-`k` for which the module path matches `(.*\\.)?(k)$` wins, else `r` / `lora_alpha`.
+Per-module rank and alpha: the first `rank_pattern` / `alpha_pattern` key that names the module
+wins, else `r` / `lora_alpha` (pattern_keys.py: the keys accepted and how they match; no regular
+expression is ever built from checkpoint data).
 """
 
 from __future__ import annotations
@@ -15,18 +16,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adapter_store.checkpoint import PeftCheckpoint
-from adapter_store.errors import FailedPrecondition, InvalidArgument, StoreError
-from clients.adapter_layout import MODULES, module_shapes
+from loraserve.adapter_store.checkpoint import PeftCheckpoint
+from loraserve.adapter_store.errors import FailedPrecondition, InvalidArgument, StoreError
+from loraserve.adapter_store.pattern_keys import check_pattern_key, first_matching_key
+from loraserve.contract.adapter_layout import MODULES, module_shapes
 
 _TENSOR_RE = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_(A|B)\.weight$")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_(A|B)\.weight"
+)
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 # LoRA initialisations that rewrite the base weights (PiSSA, OLoRA, LoftQ, CorDA).
 _BASE_MUTATING_INITS = ("pissa", "olora", "loftq", "corda")
 MAX_PATTERN_KEYS = 1024
-MAX_PATTERN_KEY_LEN = 256
 
 
 @dataclass(frozen=True)
@@ -72,13 +81,6 @@ def module_path(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{_PARENT[module]}.{module}"
 
 
-def pattern_key(keys: list[str], path: str) -> str | None:
-    for key in keys:
-        if re.match(rf"(.*\.)?({key})$", path):
-            return key
-    return None
-
-
 def scale_of(alpha: float, r: int, use_rslora: bool) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
@@ -86,7 +88,7 @@ def scale_of(alpha: float, r: int, use_rslora: bool) -> float:
 def validate(ckpt: PeftCheckpoint, base_config: dict, limits: Limits) -> LoraAdapter:
     cfg = ckpt.config
     _check_method(cfg)
-    r, alpha = _positive_int(cfg.get("r"), "r"), _number(cfg.get("lora_alpha"), "lora_alpha")
+    r, alpha = _positive_int(cfg.get("r"), "r"), _alpha(cfg.get("lora_alpha"), "lora_alpha")
     use_rslora = cfg.get("use_rslora")
     if use_rslora is None:
         use_rslora = False
@@ -99,24 +101,28 @@ def validate(ckpt: PeftCheckpoint, base_config: dict, limits: Limits) -> LoraAda
         raise InvalidArgument("adapter_config.json: base_model_name_or_path must be a string")
     if limits.base_model_name is not None and not _same_model(base_model, limits.base_model_name):
         raise FailedPrecondition(
-            f"adapter was trained on base model {base_model!r}, but this store serves {limits.base_model_name!r}")
+            f"adapter was trained on base model {base_model!r}, but this store serves {limits.base_model_name!r}"
+        )
     _check_targets(cfg.get("target_modules"))
 
     num_layers = int(base_config["num_hidden_layers"])
     shapes = module_shapes(base_config)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in ckpt.tensors.items():
-        m = _TENSOR_RE.match(name)
+        m = _TENSOR_RE.fullmatch(name)
         if m is None:
             raise _rejection(name)
         layer, parent, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if module not in _PARENT:
-            raise FailedPrecondition(f"tensor {name!r} targets unsupported module {module!r}; "
-                                     f"supported: {', '.join(MODULES)}")
+            raise FailedPrecondition(
+                f"tensor {name!r} targets unsupported module {module!r}; supported: {', '.join(MODULES)}"
+            )
         if _PARENT[module] != parent:
             raise InvalidArgument(f"tensor {name!r}: {module} belongs under {_PARENT[module]}, not {parent}")
         if layer >= num_layers:
-            raise InvalidArgument(f"tensor {name!r} is for layer {layer}, but the base model has {num_layers}")
+            raise InvalidArgument(
+                f"tensor {name!r} is for layer {layer}, but the base model has {num_layers}"
+            )
         found.setdefault((layer, module), {})[which] = t
     if not found:
         raise InvalidArgument("adapter_model.safetensors holds no LoRA tensors")
@@ -128,9 +134,10 @@ def validate(ckpt: PeftCheckpoint, base_config: dict, limits: Limits) -> LoraAda
         prefix = f"base_model.model.{path}"
         for which in ("A", "B"):
             if which not in pair:
-                raise InvalidArgument(f"tensor {prefix}.lora_{which}.weight is missing "
-                                      f"(lora_A and lora_B come in pairs)")
-        kr, ka = pattern_key(keys_r, path), pattern_key(keys_a, path)
+                raise InvalidArgument(
+                    f"tensor {prefix}.lora_{which}.weight is missing (lora_A and lora_B come in pairs)"
+                )
+        kr, ka = first_matching_key(keys_r, path), first_matching_key(keys_a, path)
         mr = rank_pattern[kr] if kr is not None else r
         ma = alpha_pattern[ka] if ka is not None else alpha
         if mr > limits.max_lora_rank:
@@ -138,11 +145,15 @@ def validate(ckpt: PeftCheckpoint, base_config: dict, limits: Limits) -> LoraAda
         in_f, out_f = shapes[module]
         a, b = pair["A"], pair["B"]
         if tuple(a.shape) != (mr, in_f):
-            raise InvalidArgument(f"tensor {prefix}.lora_A.weight has shape {list(a.shape)}, "
-                                  f"expected [{mr}, {in_f}] (rank {mr}, in_features {in_f})")
+            raise InvalidArgument(
+                f"tensor {prefix}.lora_A.weight has shape {list(a.shape)}, "
+                f"expected [{mr}, {in_f}] (rank {mr}, in_features {in_f})"
+            )
         if tuple(b.shape) != (out_f, mr):
-            raise InvalidArgument(f"tensor {prefix}.lora_B.weight has shape {list(b.shape)}, "
-                                  f"expected [{out_f}, {mr}] (out_features {out_f}, rank {mr})")
+            raise InvalidArgument(
+                f"tensor {prefix}.lora_B.weight has shape {list(b.shape)}, "
+                f"expected [{out_f}, {mr}] (out_features {out_f}, rank {mr})"
+            )
         modules[(layer, module)] = LoraModule(layer, module, mr, ma, scale_of(ma, mr, use_rslora), a, b)
     return LoraAdapter(modules, r, alpha, use_rslora, rank_pattern, alpha_pattern, base_model)
 
@@ -155,19 +166,23 @@ def _check_method(cfg: dict) -> None:
         raise FailedPrecondition("use_dora is set: DoRA adapters are not supported (plain LoRA only)")
     for key in ("modules_to_save", "target_parameters", "layer_replication", "trainable_token_indices"):
         if cfg.get(key):
-            raise FailedPrecondition(f"{key}={cfg[key]!r} is not supported: only LoRA on "
-                                     f"{', '.join(MODULES)} can be served")
+            raise FailedPrecondition(
+                f"{key}={cfg[key]!r} is not supported: only LoRA on {', '.join(MODULES)} can be served"
+            )
     if cfg.get("lora_bias"):
         raise FailedPrecondition("lora_bias is set: LoRA bias terms are not supported")
     for key in ("use_qalora", "alora_invocation_tokens", "arrow_config", "fan_in_fan_out"):
         if cfg.get(key):
-            raise FailedPrecondition(f"{key}={cfg[key]!r}: this LoRA variant is not supported (plain LoRA only)")
+            raise FailedPrecondition(
+                f"{key}={cfg[key]!r}: this LoRA variant is not supported (plain LoRA only)"
+            )
     init = cfg.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_MUTATING_INITS):
         raise FailedPrecondition(
             f"init_lora_weights={init!r} changes the base model's weights, so the adapter does not apply to "
             "the unmodified base; save it converted to plain LoRA (PEFT save_pretrained with "
-            "path_initial_model_for_weight_conversion) and register that")
+            "path_initial_model_for_weight_conversion) and register that"
+        )
 
 
 def _check_targets(targets: object) -> None:
@@ -181,9 +196,13 @@ def _check_targets(targets: object) -> None:
 
 def _rejection(name: str) -> StoreError:
     """The error for a tensor name that is not a LoRA A/B weight of a supported module."""
-    if any(s in name for s in ("embed_tokens", "lm_head", "modules_to_save", "lora_embedding", "lora_magnitude")):
-        return FailedPrecondition(f"tensor {name!r} adapts an unsupported module or method; supported: "
-                                  f"LoRA A/B of {', '.join(MODULES)}")
+    if any(
+        s in name for s in ("embed_tokens", "lm_head", "modules_to_save", "lora_embedding", "lora_magnitude")
+    ):
+        return FailedPrecondition(
+            f"tensor {name!r} adapts an unsupported module or method; supported: "
+            f"LoRA A/B of {', '.join(MODULES)}"
+        )
     if ".lora_" in name and "base_model.model.model.layers." in name and not name.endswith(".weight"):
         return FailedPrecondition(f"tensor {name!r} is not supported (LoRA weights only, no bias)")
     return InvalidArgument(f"unexpected tensor {name!r} in adapter_model.safetensors")
@@ -195,9 +214,12 @@ def _positive_int(v: object, field_name: str) -> int:
     return v
 
 
-def _number(v: object, field_name: str) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-        raise InvalidArgument(f"adapter_config.json: {field_name} must be a finite number, got {v!r}")
+def _alpha(v: object, field_name: str) -> float:
+    """lora_alpha or an alpha_pattern value: a finite number > 0. PEFT itself takes any number
+    (scale = alpha / r), but 0 makes the adapter a no-op and a negative alpha negates its update:
+    neither is what training produces, so both are refused as a broken config rather than served."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise InvalidArgument(f"adapter_config.json: {field_name} must be a finite number > 0, got {v!r}")
     return float(v)
 
 
@@ -205,19 +227,19 @@ def _pattern(v: object, field_name: str, kind: type) -> dict:
     if v is None:
         return {}
     if not isinstance(v, dict) or len(v) > MAX_PATTERN_KEYS:
-        raise InvalidArgument(f"adapter_config.json: {field_name} must be an object of at most "
-                              f"{MAX_PATTERN_KEYS} keys")
+        raise InvalidArgument(
+            f"adapter_config.json: {field_name} must be an object of at most {MAX_PATTERN_KEYS} keys"
+        )
     out: dict = {}
     for key, value in v.items():
-        if len(key) > MAX_PATTERN_KEY_LEN:
-            raise InvalidArgument(f"adapter_config.json: {field_name} key {key[:40]!r}... is too long")
-        try:
-            re.compile(key)
-        except re.error as exc:
-            raise InvalidArgument(f"adapter_config.json: {field_name} key {key!r} is not a valid "
-                                  f"pattern: {exc}") from exc
-        out[key] = _positive_int(value, f"{field_name}[{key!r}]") if kind is int else \
-            _number(value, f"{field_name}[{key!r}]")
+        problem = check_pattern_key(key)
+        if problem is not None:
+            raise InvalidArgument(f"adapter_config.json: {field_name} key {problem}")
+        out[key] = (
+            _positive_int(value, f"{field_name}[{key!r}]")
+            if kind is int
+            else _alpha(value, f"{field_name}[{key!r}]")
+        )
     return out
 
 

@@ -19,19 +19,38 @@ import time
 
 import torch
 
-from inference_worker.engine.engine import EngineConfig, LLMEngine
-from inference_worker.engine.model_runner import kv_bytes_per_block
-from inference_worker.engine.sequence import SamplingParams
-from inference_worker.model.config import ModelConfig
-from inference_worker.model.llama import LlamaModel
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
+from loraserve.inference_worker.engine.model_runner import kv_bytes_per_block
+from loraserve.inference_worker.engine.sequence import SamplingParams
+from loraserve.inference_worker.model.config import ModelConfig
+from loraserve.inference_worker.model.llama import LlamaModel
 
 SHAPES = {
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
 PROMPT_LEN = 128
 STEPS = 32
@@ -65,9 +84,18 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def config(name: str) -> ModelConfig:
-    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
-                                  "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-                                  "eos_token_id": 128001, **SHAPES[name]}, name=name)
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "eos_token_id": 128001,
+            **SHAPES[name],
+        },
+        name=name,
+    )
 
 
 def print_kernel_profile(graph: torch.cuda.CUDAGraph, name: str) -> None:
@@ -79,11 +107,15 @@ def print_kernel_profile(graph: torch.cuda.CUDAGraph, name: str) -> None:
             graph.replay()
         torch.cuda.synchronize()
     print(f"--- {name}, batch 1: GPU time per kernel over 10 steps", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+        flush=True,
+    )
 
 
-def bench_model(name: str, batches: list[int], bw: float, device: torch.device,
-                profile: bool = False) -> list[dict]:
+def bench_model(
+    name: str, batches: list[int], bw: float, device: torch.device, profile: bool = False
+) -> list[dict]:
     cfg = config(name)
     model = LlamaModel(cfg, torch.bfloat16, device)
     model.init_random(seed=0)
@@ -92,9 +124,19 @@ def bench_model(name: str, batches: list[int], bw: float, device: torch.device,
     max_b = max(batches)
     num_blocks = max_b * (max_len // block_size) + 1
     t0 = time.perf_counter()
-    engine = LLMEngine(model, _Tokenizer(), EngineConfig(
-        max_num_seqs=max_b, max_model_len=max_len, max_num_batched_tokens=8192, block_size=block_size,
-        num_blocks=num_blocks, max_queue_size=max_b, use_cuda_graphs=True))
+    engine = LLMEngine(
+        model,
+        _Tokenizer(),
+        EngineConfig(
+            max_num_seqs=max_b,
+            max_model_len=max_len,
+            max_num_batched_tokens=8192,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_queue_size=max_b,
+            use_cuda_graphs=True,
+        ),
+    )
     engine.runner.capture_graphs()
     capture_s = time.perf_counter() - t0
     kv_per_token = kv_bytes_per_block(model, block_size) / block_size
@@ -104,8 +146,15 @@ def bench_model(name: str, batches: list[int], bw: float, device: torch.device,
         outs: list[list] = [[] for _ in range(b)]
         for i in range(b):
             ids = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,), generator=g).tolist()
-            engine.submit(engine.make_sequence(f"{name}-{b}-{i}", "", ids,
-                                               SamplingParams(max_tokens=STEPS + 8, ignore_eos=True), outs[i].append))
+            engine.submit(
+                engine.make_sequence(
+                    f"{name}-{b}-{i}",
+                    "",
+                    ids,
+                    SamplingParams(max_tokens=STEPS + 8, ignore_eos=True),
+                    outs[i].append,
+                )
+            )
         while not all(outs):  # prefill everyone (first token out)
             engine.step()
         for _ in range(3):  # warm-up decode steps
@@ -130,9 +179,21 @@ def bench_model(name: str, batches: list[int], bw: float, device: torch.device,
             print_kernel_profile(graph, name)
         kv_bytes = sum(c + STEPS // 2 for c in ctx) * kv_per_token
         roof_s = (weight_bytes + kv_bytes) / bw
-        rows.append(dict(model=name, batch=b, tok_s=b / step_s, step_ms=step_s * 1e3, replay_ms=replay_s * 1e3,
-                         roof_ms=roof_s * 1e3, ratio=step_s / roof_s, replay_ratio=replay_s / roof_s,
-                         weights_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9, capture_s=capture_s))
+        rows.append(
+            dict(
+                model=name,
+                batch=b,
+                tok_s=b / step_s,
+                step_ms=step_s * 1e3,
+                replay_ms=replay_s * 1e3,
+                roof_ms=roof_s * 1e3,
+                ratio=step_s / roof_s,
+                replay_ratio=replay_s / roof_s,
+                weights_gb=weight_bytes / 1e9,
+                kv_gb=kv_bytes / 1e9,
+                capture_s=capture_s,
+            )
+        )
         for i in range(b):
             engine.abort(f"{name}-{b}-{i}")
         engine.step()
@@ -167,9 +228,11 @@ def main() -> None:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['batch']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | {r['replay_ms']:.2f} | "
-                     f"{r['roof_ms']:.2f} | {r['ratio']:.2f}x | {r['replay_ratio']:.2f}x | {r['weights_gb']:.2f} | "
-                     f"{r['kv_gb']:.3f} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | {r['replay_ms']:.2f} | "
+            f"{r['roof_ms']:.2f} | {r['ratio']:.2f}x | {r['replay_ratio']:.2f}x | {r['weights_gb']:.2f} | "
+            f"{r['kv_gb']:.3f} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.out:

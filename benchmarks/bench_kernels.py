@@ -18,6 +18,7 @@ when all rows share one adapter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import LoRABatch, add_lora  # noqa: E402
+from loraserve.kernels import LaunchOptions, LoRABatch, add_lora
 
 NUM_LAYERS = 32
 HIDDEN, INTERMEDIATE, KV = 4096, 14336, 1024
@@ -64,18 +65,40 @@ class Config:
 
 
 CONFIGS = (
-    Config(64, 1, "16"), Config(64, 8, "16"), Config(64, 64, "16"), Config(64, 64, "8/64"),
-    Config(64, 64, "64"), Config(64, 64, "8"), Config(64, 8, "64"), Config(64, 1, "64"),
-    Config(1, 1, "16"), Config(16, 16, "16"), Config(128, 128, "16"), Config(256, 32, "16"),
-    Config(512, 8, "16"), Config(2048, 1, "16"), Config(8192, 1, "16"), Config(8192, 1, "64"),
+    Config(64, 1, "16"),
+    Config(64, 8, "16"),
+    Config(64, 64, "16"),
+    Config(64, 64, "8/64"),
+    Config(64, 64, "64"),
+    Config(64, 64, "8"),
+    Config(64, 8, "64"),
+    Config(64, 1, "64"),
+    Config(1, 1, "16"),
+    Config(16, 16, "16"),
+    Config(128, 128, "16"),
+    Config(256, 32, "16"),
+    Config(512, 8, "16"),
+    Config(2048, 1, "16"),
+    Config(8192, 1, "16"),
+    Config(8192, 1, "64"),
     Config(8192, 16, "16"),
 )
 QUICK = CONFIGS[:5] + (Config(2048, 1, "16"), Config(8192, 1, "16"))
-SWEEP_CONFIGS = (Config(64, 1, "16"), Config(64, 8, "16"), Config(64, 64, "16"), Config(64, 64, "8/64"),
-                 Config(64, 64, "64"), Config(2048, 1, "16"), Config(8192, 1, "64"))
-# Launch tunables of kernels.triton_ops tried by --sweep, one change from the defaults at a time.
-SWEEP_VARIANTS: tuple[dict[str, int], ...] = (
-    {}, {"USE_PDL": True}, {"EXPAND_PRELOAD": True}, {"B_VECTOR_LOADS": False},
+SWEEP_CONFIGS = (
+    Config(64, 1, "16"),
+    Config(64, 8, "16"),
+    Config(64, 64, "16"),
+    Config(64, 64, "8/64"),
+    Config(64, 64, "64"),
+    Config(2048, 1, "16"),
+    Config(8192, 1, "64"),
+)
+# Launch options (kernels.LaunchOptions fields) tried by --sweep, one change from the defaults at a time.
+SWEEP_VARIANTS: tuple[dict[str, bool], ...] = (
+    {},
+    {"pdl": True},
+    {"expand_preload": True},
+    {"b_vector_loads": False},
 )
 BREAKDOWN_CONFIGS = (Config(64, 1, "16"), Config(64, 64, "16"), Config(64, 64, "64"))
 
@@ -136,8 +159,8 @@ def graph_time(step, flush: torch.Tensor) -> float:
 class Model:
     """Per-layer, per-group slot buffers of one configuration, and its activations."""
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
+    def __init__(self, config: Config, options: LaunchOptions) -> None:
+        self.config, self.options = config, options
         ranks = config.adapter_ranks()
         self.max_rank = max(ranks)
         num_slots = config.num_adapters
@@ -149,7 +172,7 @@ class Model:
                 n = sum(widths)
                 a = torch.empty(num_slots, len(widths), self.max_rank, din, dtype=DTYPE, device="cuda")
                 b = torch.empty(num_slots, n, self.max_rank, dtype=DTYPE, device="cuda")
-                a.uniform_(-din**-0.5, din**-0.5)  # past a slot's rank: left random, never read
+                a.uniform_(-(din**-0.5), din**-0.5)  # past a slot's rank: left random, never read
                 b.uniform_(-0.1, 0.1)
                 layer.append((a, b))
             self.layers.append(layer)
@@ -166,7 +189,7 @@ class Model:
         self.batch.prepare(self.slots)
         for layer in self.layers[:num_layers]:
             for (a, b), x, y, offsets in zip(layer, self.xs, self.ys, self.offsets, strict=True):
-                add_lora(y, x, a, b, self.rank_t, self.batch, offsets, backend=backend)
+                add_lora(y, x, a, b, self.rank_t, self.batch, offsets, backend=backend, options=self.options)
 
     def floor_bytes(self) -> tuple[float, float]:
         elem = torch.finfo(DTYPE).bits // 8
@@ -183,14 +206,18 @@ class Model:
         """One adapter for all rows: s = x @ A[0].T (all slices at once), y_i += s_i @ B[0]_i.T."""
         r = self.max_rank
         for layer in self.layers:
-            for (a, b), x, y, offsets, s in zip(layer, self.xs, self.ys, self.offsets, self.s_bufs, strict=True):
+            for (a, b), x, y, offsets, s in zip(
+                layer, self.xs, self.ys, self.offsets, self.s_bufs, strict=True
+            ):
                 torch.mm(x, a[0].view(-1, a.shape[-1]).T, out=s)
                 for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
                     y[:, lo:hi].addmm_(s[:, i * r : (i + 1) * r], b[0, lo:hi].T)
 
     def prepare_cublas(self) -> None:
         t = self.config.num_tokens
-        self.s_bufs = [torch.empty(t, len(w) * self.max_rank, dtype=DTYPE, device="cuda") for _, _, w in GROUPS]
+        self.s_bufs = [
+            torch.empty(t, len(w) * self.max_rank, dtype=DTYPE, device="cuda") for _, _, w in GROUPS
+        ]
 
 
 def eager_time(fn, reps: int) -> float:
@@ -203,17 +230,28 @@ def eager_time(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def run(configs: tuple[Config, ...], bandwidth: float, with_reference: bool, with_cublas: bool = True) -> list[dict]:
+def run(
+    configs: tuple[Config, ...],
+    bandwidth: float,
+    with_reference: bool,
+    with_cublas: bool = True,
+    options: LaunchOptions | None = None,
+) -> list[dict]:
+    options = options if options is not None else LaunchOptions.for_device("cuda")
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     for config in configs:
-        model = Model(config)
+        model = Model(config, options)
         t_kernel = graph_time(model.step, flush)
         floor_w, floor_all = model.floor_bytes()
         row = {
-            "config": config.label, "T": config.num_tokens, "adapters": config.num_adapters,
-            "ranks": config.ranks, "ms": t_kernel * 1e3,
-            "floor_ms": floor_w / bandwidth * 1e3, "floor_xy_ms": floor_all / bandwidth * 1e3,
+            "config": config.label,
+            "T": config.num_tokens,
+            "adapters": config.num_adapters,
+            "ranks": config.ranks,
+            "ms": t_kernel * 1e3,
+            "floor_ms": floor_w / bandwidth * 1e3,
+            "floor_xy_ms": floor_all / bandwidth * 1e3,
         }
         row["x_floor"] = row["ms"] / row["floor_ms"]
         row["x_floor_xy"] = row["ms"] / row["floor_xy_ms"]
@@ -235,30 +273,30 @@ def run(configs: tuple[Config, ...], bandwidth: float, with_reference: bool, wit
     return rows
 
 
-def sweep(bandwidth: float) -> list[dict]:
-    from kernels import triton_ops
-
-    defaults = {k: getattr(triton_ops, k) for variant in SWEEP_VARIANTS for k in variant}
+def sweep(bandwidth: float) -> tuple[list[dict], LaunchOptions]:
+    """Rows of every variant over SWEEP_CONFIGS, and the options of the fastest variant."""
     results = []
     for variant in SWEEP_VARIANTS:
-        for key, value in {**defaults, **variant}.items():
-            setattr(triton_ops, key, value)
-        for row in run(SWEEP_CONFIGS, bandwidth, with_reference=False, with_cublas=False):
+        options = LaunchOptions.for_device("cuda", **variant)
+        if dataclasses.asdict(options) != {**dataclasses.asdict(LaunchOptions()), **variant}:
+            print(f"variant {json.dumps(variant)} is not supported here, skipped")
+            continue
+        for row in run(SWEEP_CONFIGS, bandwidth, with_reference=False, with_cublas=False, options=options):
             results.append({"variant": json.dumps(variant), **row})
+    tried = [v for v in SWEEP_VARIANTS if any(r["variant"] == json.dumps(v) for r in results)]
+
     # Keep the variant with the lowest geometric mean over the sweep configurations.
     def score(variant: dict[str, int]) -> float:
         ms = [r["ms"] for r in results if r["variant"] == json.dumps(variant)]
         return statistics.geometric_mean(ms)
 
-    best = min(SWEEP_VARIANTS, key=score)
-    for key, value in {**defaults, **best}.items():
-        setattr(triton_ops, key, value)
+    best = min(tried, key=score)
     print(f"kept variant {json.dumps(best)} for the full table")
     print("| variant | " + " | ".join(c.label for c in SWEEP_CONFIGS) + " |")
-    for variant in SWEEP_VARIANTS:
+    for variant in tried:
         ms = [r["ms"] for r in results if r["variant"] == json.dumps(variant)]
         print(f"| {json.dumps(variant)} | " + " | ".join(f"{m:.3f}" for m in ms) + " |")
-    return results
+    return results, LaunchOptions.for_device("cuda", **best)
 
 
 def breakdown(bandwidth: float) -> list[dict]:
@@ -266,7 +304,7 @@ def breakdown(bandwidth: float) -> list[dict]:
     Triton kernel's graph cost, and the registers/spills of every compiled kernel variant."""
     import triton
 
-    from kernels import triton_ops
+    from loraserve.kernels import triton_ops
 
     @triton.jit
     def noop_kernel(ptr):
@@ -275,11 +313,17 @@ def breakdown(bandwidth: float) -> list[dict]:
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     dummy = torch.zeros(1, device="cuda")
     launches = NUM_LAYERS * len(GROUPS)
-    results = [{"phase": "empty kernel x128", "ms": graph_time(
-        lambda: [noop_kernel[(1,)](dummy) for _ in range(launches)], flush) * 1e3}]
+    results = [
+        {
+            "phase": "empty kernel x128",
+            "ms": graph_time(lambda: [noop_kernel[(1,)](dummy) for _ in range(launches)], flush) * 1e3,
+        }
+    ]
     kernels: dict[str, tuple] = {}
-    originals = {name: getattr(triton_ops, name) for name in
-                 ("shrink_kernel", "expand_kernel", "_launch_shrink", "_launch_expand")}
+    originals = {
+        name: getattr(triton_ops, name)
+        for name in ("shrink_kernel", "expand_kernel", "_launch_shrink", "_launch_expand")
+    }
 
     class Recorder:
         def __init__(self, name: str, kernel) -> None:
@@ -289,23 +333,36 @@ def breakdown(bandwidth: float) -> list[dict]:
             def launch(*args, **kwargs):
                 compiled = self.kernel[grid](*args, **kwargs)
                 consts = {k: v for k, v in kwargs.items() if k.isupper() or k.startswith("num_")}
-                kernels[f"{self.name} {consts}"] = (compiled.n_regs, compiled.n_spills,
-                                                    compiled.metadata.shared)
+                kernels[f"{self.name} {consts}"] = (
+                    compiled.n_regs,
+                    compiled.n_spills,
+                    compiled.metadata.shared,
+                )
                 return compiled
+
             return launch
 
     triton_ops.shrink_kernel = Recorder("shrink", originals["shrink_kernel"])
     triton_ops.expand_kernel = Recorder("expand", originals["expand_kernel"])
     try:
         for config in BREAKDOWN_CONFIGS:
-            model = Model(config)
-            results.append({"config": config.label, "phase": "prepare x1",
-                             "ms": graph_time(lambda m=model: m.batch.prepare(m.slots), flush) * 1e3})
+            model = Model(config, LaunchOptions.for_device("cuda"))
+            results.append(
+                {
+                    "config": config.label,
+                    "phase": "prepare x1",
+                    "ms": graph_time(lambda m=model: m.batch.prepare(m.slots), flush) * 1e3,
+                }
+            )
             for phase, off in (("shrink only", "_launch_expand"), ("expand only", "_launch_shrink")):
                 setattr(triton_ops, off, lambda *a, **k: None)
-                results.append({"config": config.label, "phase": phase, "ms": graph_time(model.step, flush) * 1e3})
+                results.append(
+                    {"config": config.label, "phase": phase, "ms": graph_time(model.step, flush) * 1e3}
+                )
                 setattr(triton_ops, off, originals[off])
-            results.append({"config": config.label, "phase": "both", "ms": graph_time(model.step, flush) * 1e3})
+            results.append(
+                {"config": config.label, "phase": "both", "ms": graph_time(model.step, flush) * 1e3}
+            )
             del model
             torch.cuda.empty_cache()
     finally:
@@ -319,10 +376,17 @@ def breakdown(bandwidth: float) -> list[dict]:
 
 
 def table(rows: list[dict], gpu: str, bandwidth: float) -> str:
-    head = ("| T | adapters | rank | LoRA step ms | floor ms (A,B) | x floor | floor ms (+x,y) | x floor+xy "
-            "| torch ref ms | speedup | cuBLAS ms | x cuBLAS |")
-    lines = [f"GPU: {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); bf16; "
-             f"32 layers x 4 groups; CUDA graph, cold L2", "", head, "|" + "---|" * 12]
+    head = (
+        "| T | adapters | rank | LoRA step ms | floor ms (A,B) | x floor | floor ms (+x,y) | x floor+xy "
+        "| torch ref ms | speedup | cuBLAS ms | x cuBLAS |"
+    )
+    lines = [
+        f"GPU: {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); bf16; "
+        f"32 layers x 4 groups; CUDA graph, cold L2",
+        "",
+        head,
+        "|" + "---|" * 12,
+    ]
 
     def f(row: dict, key: str, fmt: str) -> str:
         return format(row[key], fmt) if key in row else "-"
@@ -352,9 +416,11 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.breakdown:
         (out / "kernels_breakdown.json").write_text(json.dumps(breakdown(bandwidth)))
+    options = LaunchOptions.for_device("cuda")
     if args.sweep:
-        (out / "kernels_sweep.json").write_text(json.dumps(sweep(bandwidth)))
-    rows = run(QUICK if args.quick else CONFIGS, bandwidth, not args.no_reference)
+        swept, options = sweep(bandwidth)
+        (out / "kernels_sweep.json").write_text(json.dumps(swept))
+    rows = run(QUICK if args.quick else CONFIGS, bandwidth, not args.no_reference, options=options)
     text = table(rows, gpu, bandwidth)
     (out / "kernels_bench.md").write_text(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{text}\n")
     (out / "kernels_bench.json").write_text(json.dumps({"gpu": gpu, "bandwidth": bandwidth, "rows": rows}))

@@ -1,10 +1,10 @@
 """Multi-LoRA decode throughput of the worker's engine, and slot activation time (GPU).
 
 For a Llama-3.2-1B- and a Llama-3-8B-shaped random bf16 model, rank-16 adapters on all seven
-modules, optimized in-process by the store's optimizer and fed to the adapter manager directly
-(no gRPC, no store server):
+modules, optimized in-process by the store's optimizer and loaded through the worker's own adapter
+admin path from an in-memory source (no gRPC, no store server):
   - decode tokens/s with 0 (base rows only), 1, 8, 32 and 64 distinct adapters in a batch of 64,
-    against the same engine with no adapter manager (base);
+    against the same engine with no adapters (base);
   - transformers + peft on the same GPU (`generate(adapter_names=...)`, one adapter per row);
   - activation of an 8B-shaped adapter (~84 MB) from pinned CPU into a GPU slot, against a plain
     host-to-device copy of the same bytes.
@@ -28,28 +28,55 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapter_store.optimize import optimize  # noqa: E402
-from adapter_store.validate import LoraAdapter, LoraModule, scale_of  # noqa: E402
-from clients.adapter_layout import MODULES, module_shapes  # noqa: E402
-from clients.payload import PayloadTensor  # noqa: E402
-from inference_worker.adapters.worker_adapters import WorkerAdapters  # noqa: E402
-from inference_worker.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from inference_worker.engine.sequence import SamplingParams  # noqa: E402
-from inference_worker.lora.payload import AdapterPayload  # noqa: E402
-from inference_worker.model.config import ModelConfig  # noqa: E402
-from inference_worker.model.llama import LlamaModel  # noqa: E402
+from loraserve.adapter_store.optimize import optimize
+from loraserve.adapter_store.validate import LoraAdapter, LoraModule, scale_of
+from loraserve.contract.adapter_layout import MODULES, module_shapes
+from loraserve.contract.payload import PayloadTensor
+from loraserve.inference_worker.adapters.worker_adapters import WorkerAdapters
+from loraserve.inference_worker.builder import build_adapters
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
+from loraserve.inference_worker.engine.sequence import SamplingParams
+from loraserve.inference_worker.lora.payload import AdapterPayload
+from loraserve.inference_worker.model.config import ModelConfig
+from loraserve.inference_worker.model.llama import LlamaModel
+from tests.helpers.adapter_sources import AdaptersRunning, PayloadSource
 
 SHAPES = {
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-               rope_theta=500000.0),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-               rope_theta=500000.0),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
     # a smoke-test shape (runs on CPU too)
-    "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False,
-                 rope_theta=10000.0),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
 }
 RANK, ALPHA = 16, 32.0
 BATCH, PROMPT_LEN, DECODE_TOKENS = 64, 16, 64
@@ -61,9 +88,18 @@ def sync() -> None:
 
 
 def hf_config(shape: str) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": f"random-{shape}",
-            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
-            "hidden_act": "silu", "attention_bias": False, **SHAPES[shape]}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "_name_or_path": f"random-{shape}",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        **SHAPES[shape],
+    }
 
 
 class NullTokenizer:
@@ -97,8 +133,14 @@ def decode_run(engine: LLMEngine, adapter_ids: list[str], vocab: int, tokens: in
     for i, aid in enumerate(adapter_ids):
         prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=g).tolist()
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-        seq = engine.make_sequence(f"r{i}-{time.monotonic_ns()}", "", prompt, params,
-                                   lambda out: done.append(1) if out.finished else None, aid)
+        seq = engine.make_sequence(
+            f"r{i}-{time.monotonic_ns()}",
+            "",
+            prompt,
+            params,
+            lambda out: done.append(1) if out.finished else None,
+            aid,
+        )
         engine.submit(seq)
     engine.step()  # prefill of every row + first token
     sync()
@@ -126,20 +168,36 @@ def tokens_of(engine: LLMEngine, adapter_ids: list[str], vocab: int, n: int = 8)
             outs[i].extend(out.token_ids)
             if out.finished:
                 finished.append(i)
-        engine.submit(engine.make_sequence(f"t{i}-{time.monotonic_ns()}", "", prompt,
-                                           SamplingParams(max_tokens=n, ignore_eos=True), cb, aid))
+
+        engine.submit(
+            engine.make_sequence(
+                f"t{i}-{time.monotonic_ns()}",
+                "",
+                prompt,
+                SamplingParams(max_tokens=n, ignore_eos=True),
+                cb,
+                aid,
+            )
+        )
     while len(finished) < len(adapter_ids):
         engine.step()
     return [outs[i] for i in range(len(adapter_ids))]
 
 
 def engine_config(graphs: bool = True) -> EngineConfig:
-    return EngineConfig(max_num_seqs=BATCH, max_model_len=256, max_num_batched_tokens=BATCH * PROMPT_LEN,
-                        block_size=16, num_blocks=BATCH * 16 + 64, max_queue_size=1024, use_cuda_graphs=graphs)
+    return EngineConfig(
+        max_num_seqs=BATCH,
+        max_model_len=256,
+        max_num_batched_tokens=BATCH * PROMPT_LEN,
+        block_size=16,
+        num_blocks=BATCH * 16 + 64,
+        max_queue_size=1024,
+        use_cuda_graphs=graphs,
+    )
 
 
 def activation_times(adapters: WorkerAdapters, payload: AdapterPayload, reps: int = 10) -> dict:
-    dev = adapters.slots.device
+    dev = adapters.pool.slots.device
     dst = torch.empty(payload.nbytes, dtype=torch.uint8, device=dev)
     h2d, act = [], []
     for _ in range(reps):
@@ -151,12 +209,17 @@ def activation_times(adapters: WorkerAdapters, payload: AdapterPayload, reps: in
     for _ in range(reps):
         sync()
         t0 = time.perf_counter()
-        adapters.slots.load(0, payload)
+        adapters.pool.slots.load(0, payload)
         sync()
         act.append(time.perf_counter() - t0)
     h, a = statistics.median(h2d), statistics.median(act)
-    return {"bytes": payload.nbytes, "h2d_ms": h * 1e3, "h2d_gbps": payload.nbytes / h / 1e9,
-            "activation_ms": a * 1e3, "ratio": a / h}
+    return {
+        "bytes": payload.nbytes,
+        "h2d_ms": h * 1e3,
+        "h2d_gbps": payload.nbytes / h / 1e9,
+        "activation_ms": a * 1e3,
+        "ratio": a / h,
+    }
 
 
 def peft_throughput(cfg: dict, n_adapters: int, batch: int, new_tokens: int) -> float:
@@ -179,8 +242,13 @@ def peft_throughput(cfg: dict, n_adapters: int, batch: int, new_tokens: int) -> 
     pm.eval()
     ids = torch.randint(3, cfg["vocab_size"], (batch, PROMPT_LEN), device="cuda")
     names = [f"a{i % n_adapters}" for i in range(batch)]
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names, do_sample=False,
-              pad_token_id=0)
+    kw = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        adapter_names=names,
+        do_sample=False,
+        pad_token_id=0,
+    )
     with torch.no_grad():
         pm.generate(**kw, max_new_tokens=2, min_new_tokens=2)
         sync()
@@ -198,16 +266,25 @@ def bench_shape(shape: str, results: dict, peft_cases: list[tuple[int, int]], pe
     t0 = time.perf_counter()
     model = LlamaModel(ModelConfig.from_dict(cfg, f"random-{shape}"), torch.bfloat16, dev)
     model.init_random()
-    adapters = WorkerAdapters.create(cfg, max_loras=64, max_lora_rank=RANK, max_cpu_loras=64,
-                                     max_cpu_bytes=64 << 30, dtype=torch.bfloat16, device=dev,
-                                     max_tokens=BATCH * PROMPT_LEN, source=None)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         payloads = list(pool.map(lambda i: make_payload(cfg, i), range(64)))
-    for p in payloads:
-        adapters.manager.activate(adapters.manager.add_payload(p))
-    adapters.attach_model(model)
-    print(f"[{shape}] model + 64 adapters ({payloads[0].nbytes / 1e6:.1f} MB each) in "
-          f"{time.perf_counter() - t0:.1f}s", flush=True)
+    config = WorkerConfig(
+        model=f"random-{shape}",
+        max_loras=64,
+        max_lora_rank=RANK,
+        max_cpu_loras=64,
+        max_cpu_lora_mb=64 << 10,
+        max_num_seqs=BATCH,
+        max_num_batched_tokens=BATCH * PROMPT_LEN,
+    )
+    adapters = build_adapters(config, model, PayloadSource(payloads))
+    running = AdaptersRunning(adapters)  # loads through the worker's own admin path
+    running.load(p.adapter_id for p in payloads)
+    print(
+        f"[{shape}] model + 64 adapters ({payloads[0].nbytes / 1e6:.1f} MB each) in "
+        f"{time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     r: dict = {"adapter_mb": payloads[0].nbytes / 1e6}
 
     vocab = cfg["vocab_size"]
@@ -218,12 +295,16 @@ def bench_shape(shape: str, results: dict, peft_cases: list[tuple[int, int]], pe
     eager_tokens = tokens_of(eager, ids8, vocab)
     del eager
     engine = LLMEngine(model, NullTokenizer(), engine_config(), adapters)
+    engine.runner.capture_graphs()  # what engine.start() does; the benchmark steps the engine itself
     graph_tokens = tokens_of(engine, ids8, vocab)
     base_tokens = tokens_of(engine, [""] * 8, vocab)
     r["graph_eq_eager_rows"] = sum(a == b for a, b in zip(graph_tokens, eager_tokens, strict=True))
     r["adapter_rows_differ_from_base"] = sum(graph_tokens[i] != base_tokens[i] for i in (1, 2, 3, 5, 6, 7))
-    print(f"[{shape}] graph==eager rows {r['graph_eq_eager_rows']}/8, adapter rows != base "
-          f"{r['adapter_rows_differ_from_base']}/6", flush=True)
+    print(
+        f"[{shape}] graph==eager rows {r['graph_eq_eager_rows']}/8, adapter rows != base "
+        f"{r['adapter_rows_differ_from_base']}/6",
+        flush=True,
+    )
 
     decode_run(engine, distinct_ids(8, BATCH), vocab, 8)  # warm up
     r["lora_tps"] = {}
@@ -236,22 +317,26 @@ def bench_shape(shape: str, results: dict, peft_cases: list[tuple[int, int]], pe
         r["activation"] = activation_times(adapters, payloads[0])
         print(f"[{shape}] activation {r['activation']}", flush=True)
     del engine
+    running.close()
     for module in model.grouped_linears().values():
         module.lora = None
     gc.collect()
     torch.cuda.empty_cache()
     base = LLMEngine(model, NullTokenizer(), engine_config())
+    base.runner.capture_graphs()
     decode_run(base, distinct_ids(0, BATCH), vocab, 8)
     r["base_tps"] = decode_run(base, distinct_ids(0, BATCH), vocab)
-    print(f"[{shape}] base engine (no adapter manager): {r['base_tps']:.0f} tok/s", flush=True)
+    print(f"[{shape}] base engine (no adapters): {r['base_tps']:.0f} tok/s", flush=True)
     del base, adapters, model, payloads
     gc.collect()
     torch.cuda.empty_cache()
     r["peft_tps"] = {}
     for n, batch in peft_cases if dev.type == "cuda" else []:
         r["peft_tps"][f"{n}x{batch}"] = peft_throughput(cfg, n, batch, peft_tokens)
-        print(f"[{shape}] transformers+peft {n} adapters, batch {batch}: {r['peft_tps'][f'{n}x{batch}']:.1f} tok/s",
-              flush=True)
+        print(
+            f"[{shape}] transformers+peft {n} adapters, batch {batch}: {r['peft_tps'][f'{n}x{batch}']:.1f} tok/s",
+            flush=True,
+        )
         gc.collect()
         torch.cuda.empty_cache()
     results[shape] = r
@@ -263,8 +348,11 @@ def main() -> int:
     ap.add_argument("--peft-tokens", type=int, default=8)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    results: dict = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "date": datetime.datetime.now(datetime.timezone.utc)
-                     .strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__}
+    results: dict = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+    }
     for shape in args.shapes.split(","):
         bench_shape(shape, results, [(32, 32), (64, 64)] if shape == "1b" else [(32, 32)], args.peft_tokens)
     print(json.dumps(results, indent=1, default=str))

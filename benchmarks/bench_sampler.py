@@ -1,5 +1,6 @@
 """Sampling cost per step: the batched sampler against a per-row loop (one set of ops per sampling
-row, each with its own generator: how sampling is often written), same inputs, same device.
+row, each with its own generator: how sampling is often written), same inputs, same device; then
+what penalties (device-side token counts) and top-20 logprobs add to a batched step.
 
     python benchmarks/bench_sampler.py [--vocab 128256] [--device cuda]
 """
@@ -12,12 +13,14 @@ import time
 
 import torch
 
-from inference_worker.engine.sampler import Sampler
-from inference_worker.engine.sequence import SamplingParams, Sequence
-from inference_worker.engine.text_stream import TextStream
+from loraserve.inference_worker.engine.sampler import Sampler
+from loraserve.inference_worker.engine.sequence import SamplingParams, Sequence
+from loraserve.inference_worker.engine.text_stream import TextStream
 
 
-def per_row_loop(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> list[int]:
+def per_row_loop(
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]
+) -> list[int]:
     tokens = logits.argmax(-1)
     for i, p in enumerate(params):
         row = logits[i] / p.temperature
@@ -62,13 +65,47 @@ def main() -> None:
         logits = torch.randn(batch, args.vocab, device=dev) * 3
         for label, p in mixes.items():
             params = [SamplingParams(**{**p.__dict__, "seed": i}) for i in range(batch)]
-            seqs = [Sequence(request_id=str(i), prompt_token_ids=[1], params=params[i], on_output=lambda _: None,
-                             text_stream=TextStream(None)) for i in range(batch)]
+            seqs = [
+                Sequence(
+                    request_id=str(i),
+                    prompt_token_ids=[1],
+                    params=params[i],
+                    on_output=lambda _: None,
+                    text_stream=TextStream(None),
+                )
+                for i in range(batch)
+            ]
             gens = [torch.Generator(device=dev).manual_seed(i) for i in range(batch)]
             sampler = Sampler()
             loop = timed(lambda: per_row_loop(logits, params, gens), dev, args.repeats)  # noqa: B023
             batched = timed(lambda: sampler.sample(logits, seqs), dev, args.repeats)  # noqa: B023
             print(f"| {batch} | {label} | {loop:.2f} | {batched:.2f} | {loop / batched:.1f}x |")
+    extras = {
+        "temperature 0.8": SamplingParams(temperature=0.8),
+        "+ all three penalties": SamplingParams(
+            temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2
+        ),
+        "+ logprobs, top 20": SamplingParams(temperature=0.8, logprobs=True, top_logprobs=20),
+    }
+    print()
+    print("| batch | params | batched ms |")
+    print("| ---: | --- | ---: |")
+    for batch in (16, 64, 256):
+        logits = torch.randn(batch, args.vocab, device=dev) * 3
+        for label, p in extras.items():
+            seqs = [
+                Sequence(
+                    request_id=str(i),
+                    prompt_token_ids=list(range(i, i + 512)),  # penalties see a 512-token prompt
+                    params=SamplingParams(**{**p.__dict__, "seed": i}),
+                    on_output=lambda _: None,
+                    text_stream=TextStream(None),
+                )
+                for i in range(batch)
+            ]
+            sampler = Sampler()
+            ms = timed(lambda: sampler.step(logits, seqs), dev, args.repeats)  # noqa: B023
+            print(f"| {batch} | {label} | {ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -29,15 +29,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
-from clients.adapter_fetch import AdapterDownload, _stream, fetch_adapter, fetch_adapter_async  # noqa: E402
-from clients.adapter_layout import MODULES  # noqa: E402
-from clients.store_client import CHANNEL_OPTIONS, StoreClient  # noqa: E402
+from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
+from loraserve.clients.adapter_fetch import AdapterDownload, _stream, fetch_adapter, fetch_adapter_async  # noqa: E402
+from loraserve.clients.store_client import CHANNEL_OPTIONS, StoreClient  # noqa: E402
+from loraserve.contract.adapter_layout import MODULES  # noqa: E402
 
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": "llama-3-8b-shaped",
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "_name_or_path": "llama-3-8b-shaped",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -101,17 +109,39 @@ def main() -> int:
         (base / "config.json").write_text(json.dumps(LLAMA3_8B))
         spec = DemoAdapterSpec("llama3-8b-r16", r=args.rank, lora_alpha=32, target_modules=MODULES, seed=7)
         t0 = time.perf_counter()
-        src = write_peft_adapter(tmp_path / "root" / spec.name, LLAMA3_8B, spec, dtype=torch.bfloat16,
-                                 base_model_name="llama-3-8b-shaped")
+        src = write_peft_adapter(
+            tmp_path / "root" / spec.name,
+            LLAMA3_8B,
+            spec,
+            dtype=torch.bfloat16,
+            base_model_name="llama-3-8b-shaped",
+        )
         gen_s = time.perf_counter() - t0
         ckpt_bytes = (src / "adapter_model.safetensors").stat().st_size
 
         # The store runs as its own process, as it does beside the workers.
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "clients.cli", "store", "--host", "127.0.0.1", "--port",
-                                 str(port), "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
-                                 "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING"],
-                                cwd=str(ROOT))
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "loraserve.cli",
+                "store",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--base-model",
+                str(base),
+                "--adapter-root",
+                str(tmp_path / "root"),
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--log-level",
+                "WARNING",
+            ],
+            cwd=str(ROOT),
+        )
         address = f"127.0.0.1:{port}"
         try:
             wait_ready(address, proc)
@@ -162,11 +192,15 @@ def main() -> int:
     def row(label: str, t: tuple[float, float]) -> str:
         return f"| {label} | {t[0] * 1e3:.1f} ms | {mb / t[0]:,.0f} MB/s | {mb / t[1]:,.0f} MB/s |"
 
-    print(f"adapter: Llama-3-8B shape, rank {args.rank}, 7 modules x 32 layers, bf16; checkpoint "
-          f"{ckpt_bytes / 1e6:.1f} MB, optimized payload {mb:.1f} MB in {info.num_tensors} tensors, "
-          f"1 MiB chunks; store in its own process, client over loopback")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"torch {torch.__version__}, grpcio {grpc.__version__}; {args.repeats} runs after a warm-up\n")
+    print(
+        f"adapter: Llama-3-8B shape, rank {args.rank}, 7 modules x 32 layers, bf16; checkpoint "
+        f"{ckpt_bytes / 1e6:.1f} MB, optimized payload {mb:.1f} MB in {info.num_tensors} tensors, "
+        f"1 MiB chunks; store in its own process, client over loopback"
+    )
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, grpcio {grpc.__version__}; {args.repeats} runs after a warm-up\n"
+    )
     print(f"generate PEFT checkpoint (our generator): {gen_s:.2f} s")
     print(f"RegisterAdapter (read + validate + optimize + sha256): {register_s:.2f} s\n")
     print("| step | median time | median rate | best rate |\n| --- | --- | --- | --- |")
@@ -176,13 +210,17 @@ def main() -> int:
     print(row("fetch_adapter_async (grpc.aio) into a reused buffer (copy + sha256 check)", async_s))
     print(row("local file read (page cache) into a reused buffer", local_s))
     print(row("local file read (page cache) + sha256", local_hashed_s))
-    print(f"\nratios (median): fetch_adapter reused / local read + sha256 = {local_hashed_s[0] / fetch_s[0]:.2f}; "
-          f"fetch_adapter reused / plain local read = {local_s[0] / fetch_s[0]:.2f}; "
-          f"transport / plain local read = {local_s[0] / stream_s[0]:.2f}")
+    print(
+        f"\nratios (median): fetch_adapter reused / local read + sha256 = {local_hashed_s[0] / fetch_s[0]:.2f}; "
+        f"fetch_adapter reused / plain local read = {local_s[0] / fetch_s[0]:.2f}; "
+        f"transport / plain local read = {local_s[0] / stream_s[0]:.2f}"
+    )
     gbps = mb / fetch_s[0] >= 1000
     half = local_hashed_s[0] / fetch_s[0] >= 0.5
-    print(f"target >= 1 GB/s (fetch_adapter, reused buffer, median): {'met' if gbps else 'NOT met'}; "
-          f"target >= half the local read (both with sha256, median): {'met' if half else 'NOT met'}")
+    print(
+        f"target >= 1 GB/s (fetch_adapter, reused buffer, median): {'met' if gbps else 'NOT met'}; "
+        f"target >= half the local read (both with sha256, median): {'met' if half else 'NOT met'}"
+    )
     return 0
 
 

@@ -19,10 +19,12 @@ step() {  # step NAME COMMAND...: run, keep the log, remember the exit code
   status+=("$name rc=$rc $((SECONDS - t0))s")
   if ((rc != 0)); then failed=1; fi
 }
+# the `loraserve` namespace maps the top-level folders (setup.py): install it in place, no downloads
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 step gpu-tests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sgmv_gpu.py \
-  tests/inference_worker/test_cuda_engine.py tests/inference_worker/test_decode_attention.py \
-  tests/inference_worker_lora/test_lora_gpu.py
+  tests/inference_worker/engine/test_cuda_engine.py tests/inference_worker/model/test_decode_attention.py \
+  tests/inference_worker/lora/test_lora_gpu.py
 if [[ "$QUICK" == quick ]]; then
   step kernels python3 benchmarks/bench_kernels.py --quick --no-reference --out "$OUT"
   step engine python3 benchmarks/bench_engine.py --models llama-3.2-1b --batches 1,64 --out "$OUT/engine.md"

@@ -3,7 +3,7 @@
 The stream is one manifest then data chunks covering [offset, total_bytes). Chunks are written
 straight into one uint8 buffer (pinned when CUDA is available, so the worker can copy it to the
 GPU asynchronously; or a buffer the caller preallocated and reuses); the tensors are views into
-that buffer. Given a channel rather than a stub, chunks are decoded by clients/chunk_codec.py and
+that buffer. Given a channel rather than a stub, chunks are decoded by loraserve/contract/chunk_codec.py and
 copied once, from the received message into the buffer. A stream that breaks is
 resumed from the bytes already received (the request carries the manifest's digest, so a
 re-registered adapter cannot be spliced in). The sha256 of the buffer must equal the manifest's
@@ -26,16 +26,21 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from loraserve.v1 import store_pb2
 
-from clients.adapter_layout import DTYPES, LAYOUT_VERSION
-from clients.chunk_codec import decode_response
-from clients.payload import TORCH_DTYPES, tensor_view
+from loraserve.contract.adapter_layout import DTYPES, LAYOUT_VERSION
+from loraserve.contract.chunk_codec import decode_response
+from loraserve.contract.payload import TORCH_DTYPES, tensor_view
+from loraserve.v1 import store_pb2
 
 # A broken stream ends with one of these; anything else (NOT_FOUND, ...) is the server's answer.
 FETCH_METHOD = "/loraserve.v1.AdapterStore/FetchAdapter"
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL,
-             grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 class FetchError(Exception):
@@ -68,8 +73,9 @@ class FetchedAdapter:
 class AdapterDownload:
     """State of one download; keep it to resume later with `fetch_adapter(..., download=d)`."""
 
-    def __init__(self, adapter_id: str, *, pin_memory: bool | None = None,
-                 buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, adapter_id: str, *, pin_memory: bool | None = None, buffer: torch.Tensor | None = None
+    ) -> None:
         """buffer: an optional preallocated 1-D uint8 tensor to fill (its first total_bytes are used)."""
         self.adapter_id = adapter_id
         self.manifest: store_pb2.AdapterManifest | None = None
@@ -77,7 +83,9 @@ class AdapterDownload:
         self.buffer: torch.Tensor | None = None
         self.received = 0  # bytes [0, received) are in buffer
         self._np: np.ndarray | None = None
-        self._hasher = hashlib.sha256()  # over [0, received): chunks arrive in order, hashing overlaps receiving
+        self._hasher = (
+            hashlib.sha256()
+        )  # over [0, received): chunks arrive in order, hashing overlaps receiving
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
 
     def request(self, digest: str = "") -> store_pb2.FetchAdapterRequest:
@@ -111,23 +119,38 @@ class AdapterDownload:
     def _on_manifest(self, m: store_pb2.AdapterManifest) -> None:
         if self.manifest is not None:
             if (m.digest, m.total_bytes) != (self.manifest.digest, self.manifest.total_bytes):
-                raise FetchError(f"adapter {self.adapter_id!r} changed while resuming "
-                                 f"(digest {self.manifest.digest} -> {m.digest})")
+                raise FetchError(
+                    f"adapter {self.adapter_id!r} changed while resuming "
+                    f"(digest {self.manifest.digest} -> {m.digest})"
+                )
             return
         if m.layout_version != LAYOUT_VERSION:
-            raise FetchError(f"layout version {m.layout_version} is not supported (expected {LAYOUT_VERSION})")
+            raise FetchError(
+                f"layout version {m.layout_version} is not supported (expected {LAYOUT_VERSION})"
+            )
         for t in m.tensors:
             itemsize = TORCH_DTYPES[t.dtype].itemsize if t.dtype in TORCH_DTYPES else 0
             nbytes = int(np.prod(t.shape, dtype=np.int64)) * itemsize
-            if t.dtype not in DTYPES or t.nbytes != nbytes or t.offset < 0 or t.offset + t.nbytes > m.total_bytes:
-                raise FetchError(f"manifest entry {t.name!r} is inconsistent ({t.dtype}, {list(t.shape)}, "
-                                 f"offset {t.offset}, {t.nbytes} bytes of {m.total_bytes})")
+            if (
+                t.dtype not in DTYPES
+                or t.nbytes != nbytes
+                or t.offset < 0
+                or t.offset + t.nbytes > m.total_bytes
+            ):
+                raise FetchError(
+                    f"manifest entry {t.name!r} is inconsistent ({t.dtype}, {list(t.shape)}, "
+                    f"offset {t.offset}, {t.nbytes} bytes of {m.total_bytes})"
+                )
         self.manifest = m
         if self._given is not None:
-            if self._given.dtype != torch.uint8 or self._given.dim() != 1 or self._given.numel() < m.total_bytes \
-                    or self._given.device.type != "cpu":
+            if (
+                self._given.dtype != torch.uint8
+                or self._given.dim() != 1
+                or self._given.numel() < m.total_bytes
+                or self._given.device.type != "cpu"
+            ):
                 raise FetchError(f"the given buffer cannot hold {m.total_bytes} bytes (1-D CPU uint8 needed)")
-            self.buffer = self._given[:m.total_bytes]
+            self.buffer = self._given[: m.total_bytes]
         else:
             self.buffer = torch.empty(m.total_bytes, dtype=torch.uint8, pin_memory=self._pin)
         self._np = self.buffer.numpy()
@@ -137,9 +160,11 @@ class AdapterDownload:
             raise FetchError("data chunk before the manifest")
         n = len(data)
         if offset != self.received or offset + n > self.manifest.total_bytes:
-            raise FetchError(f"chunk at offset {offset} (+{n}) does not continue at {self.received} "
-                             f"within {self.manifest.total_bytes} bytes")
-        self._np[offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
+            raise FetchError(
+                f"chunk at offset {offset} (+{n}) does not continue at {self.received} "
+                f"within {self.manifest.total_bytes} bytes"
+            )
+        self._np[offset : offset + n] = np.frombuffer(data, dtype=np.uint8)
         self._hasher.update(data)
         self.received += n
 
@@ -148,8 +173,10 @@ class AdapterDownload:
         assert self.manifest is not None and self.buffer is not None and self._np is not None
         actual = self._hasher.hexdigest()
         if actual != self.manifest.digest:
-            raise DataLossError(f"adapter {self.adapter_id!r}: payload sha256 {actual} does not match "
-                                f"the manifest digest {self.manifest.digest}")
+            raise DataLossError(
+                f"adapter {self.adapter_id!r}: payload sha256 {actual} does not match "
+                f"the manifest digest {self.manifest.digest}"
+            )
         tensors = {t.name: tensor_view(self.buffer, t) for t in self.manifest.tensors}
         return FetchedAdapter(self.manifest, self.buffer, tensors)
 
@@ -167,67 +194,110 @@ def _backoff(attempt: int) -> float:
 def _stream(target: Any) -> tuple[Any, bool]:
     """(FetchAdapter callable, raw?) for a channel (raw bytes, decoded here) or a generated stub."""
     if isinstance(target, (grpc.Channel, grpc.aio.Channel)):
-        return target.unary_stream(FETCH_METHOD, request_serializer=store_pb2.FetchAdapterRequest.SerializeToString,
-                                   response_deserializer=None), True
+        return target.unary_stream(
+            FETCH_METHOD,
+            request_serializer=store_pb2.FetchAdapterRequest.SerializeToString,
+            response_deserializer=None,
+        ), True
     return target.FetchAdapter, False
 
 
-def _after_attempt(d: AdapterDownload, exc: grpc.RpcError | None, attempts: int,
-                   max_retries: int) -> tuple[FetchedAdapter | None, int]:
-    """After one streaming attempt: (the adapter, attempts) when complete, else (None, attempts + 1)
-    to resume after _backoff(attempts + 1). Re-raises a final RpcError; FetchError once retries are spent."""
-    if exc is not None and (not _retryable(exc) or attempts >= max_retries):
-        raise exc
-    if d.complete:
-        return d.finish(), attempts
-    attempts += 1
-    if attempts > max_retries:
-        raise FetchError(f"stream of {d.adapter_id!r} ended at byte {d.received} after {attempts} attempts")
-    return None, attempts
+class _Resumable:
+    """The protocol both fetch functions follow, apart from their I/O: which request to send next,
+    and after each streaming attempt whether the adapter is done, the attempt is retried (after
+    `delay` seconds, resuming at the bytes received), or the fetch fails."""
+
+    def __init__(
+        self,
+        target: Any,
+        d: AdapterDownload,
+        digest: str,
+        max_retries: int,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]] | None,
+    ) -> None:
+        self._call, raw = _stream(target)
+        self.handle = d.on_raw if raw else d.on_message
+        self.download, self.digest, self.max_retries = d, digest, max_retries
+        self._timeout, self._metadata = timeout, metadata
+        self.attempts = 0
+
+    def stream(self) -> Any:
+        """The next attempt's response stream (sync or async, as the target), from the bytes received."""
+        return self._call(self.download.request(self.digest), timeout=self._timeout, metadata=self._metadata)
+
+    def after_attempt(self, exc: grpc.RpcError | None) -> FetchedAdapter | None:
+        """The adapter when complete; None to retry after `delay`. Re-raises a final RpcError;
+        FetchError once retries are spent."""
+        d = self.download
+        if exc is not None and (not _retryable(exc) or self.attempts >= self.max_retries):
+            raise exc
+        if d.complete:
+            return d.finish()
+        self.attempts += 1
+        if self.attempts > self.max_retries:
+            raise FetchError(
+                f"stream of {d.adapter_id!r} ended at byte {d.received} after {self.attempts} attempts"
+            )
+        return None
+
+    @property
+    def delay(self) -> float:
+        return _backoff(self.attempts)
 
 
-def fetch_adapter(target, adapter_id: str, *, digest: str = "", download: AdapterDownload | None = None,
-                  max_retries: int = 3, timeout: float | None = None,
-                  metadata: Sequence[tuple[str, str]] | None = None,
-                  pin_memory: bool | None = None, buffer: torch.Tensor | None = None) -> FetchedAdapter:
+def fetch_adapter(
+    target,
+    adapter_id: str,
+    *,
+    digest: str = "",
+    download: AdapterDownload | None = None,
+    max_retries: int = 3,
+    timeout: float | None = None,
+    metadata: Sequence[tuple[str, str]] | None = None,
+    pin_memory: bool | None = None,
+    buffer: torch.Tensor | None = None,
+) -> FetchedAdapter:
     """Fetch through a sync channel (fastest) or `AdapterStoreStub`; resumes a broken stream up to
     max_retries times. digest: expected digest (FAILED_PRECONDITION from the store when it differs)."""
     d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
-    call, raw = _stream(target)
-    handle = d.on_raw if raw else d.on_message
-    attempts = 0
+    run = _Resumable(target, d, digest, max_retries, timeout, metadata)
     while True:
         error: grpc.RpcError | None = None
         try:
             if not d.complete:
-                for msg in call(d.request(digest), timeout=timeout, metadata=metadata):
-                    handle(msg)
+                for msg in run.stream():
+                    run.handle(msg)
         except grpc.RpcError as exc:
             error = exc
-        fetched, attempts = _after_attempt(d, error, attempts, max_retries)
-        if fetched is not None:
+        if (fetched := run.after_attempt(error)) is not None:
             return fetched
-        time.sleep(_backoff(attempts))
+        time.sleep(run.delay)
 
 
-async def fetch_adapter_async(target, adapter_id: str, *, digest: str = "",
-                              download: AdapterDownload | None = None, max_retries: int = 3,
-                              timeout: float | None = None, metadata: Sequence[tuple[str, str]] | None = None,
-                              pin_memory: bool | None = None, buffer: torch.Tensor | None = None) -> FetchedAdapter:
+async def fetch_adapter_async(
+    target,
+    adapter_id: str,
+    *,
+    digest: str = "",
+    download: AdapterDownload | None = None,
+    max_retries: int = 3,
+    timeout: float | None = None,
+    metadata: Sequence[tuple[str, str]] | None = None,
+    pin_memory: bool | None = None,
+    buffer: torch.Tensor | None = None,
+) -> FetchedAdapter:
     """Fetch through a grpc.aio channel (fastest) or an asyncio `AdapterStoreStub`."""
     d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
-    call, raw = _stream(target)
-    handle = d.on_raw if raw else d.on_message
-    attempts = 0
+    run = _Resumable(target, d, digest, max_retries, timeout, metadata)
     while True:
         error: grpc.RpcError | None = None
         try:
             if not d.complete:
-                async for msg in call(d.request(digest), timeout=timeout, metadata=metadata):
-                    handle(msg)
+                async for msg in run.stream():
+                    run.handle(msg)
         except grpc.RpcError as exc:
             error = exc
-        fetched, attempts = _after_attempt(d, error, attempts, max_retries)
-        if fetched is not None:
+        if (fetched := run.after_attempt(error)) is not None:
             return fetched
-        await asyncio.sleep(_backoff(attempts))
+        await asyncio.sleep(run.delay)

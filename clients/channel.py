@@ -5,10 +5,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
 Options = Sequence[tuple[str, object]]
+C = TypeVar("C", bound="ChannelClient")
+A = TypeVar("A", bound="AsyncChannelClient")
+
+
+class ChannelClient:
+    """A client owning a sync channel: `close()`, and a context manager that closes it."""
+
+    channel: grpc.Channel
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self: C) -> C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncChannelClient:
+    """The grpc.aio twin of ChannelClient (`await close()`, `async with`)."""
+
+    channel: grpc.aio.Channel
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self: A) -> A:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -26,24 +59,41 @@ def _credentials(tls: bool, root_certificates: bytes | str | Path | None) -> grp
     return grpc.ssl_channel_credentials(root_certificates=root_certificates)
 
 
-def open_channel(address: str, *, tls: bool = False, root_certificates: bytes | str | Path | None = None,
-                 options: Options = ()) -> grpc.Channel:
+def open_channel(
+    address: str,
+    *,
+    tls: bool = False,
+    root_certificates: bytes | str | Path | None = None,
+    options: Options = (),
+) -> grpc.Channel:
     """A sync channel, TLS when tls is set or root certificates are given."""
     creds = _credentials(tls, root_certificates)
-    return (grpc.secure_channel(address, creds, options=options) if creds
-            else grpc.insecure_channel(address, options=options))
+    return (
+        grpc.secure_channel(address, creds, options=options)
+        if creds
+        else grpc.insecure_channel(address, options=options)
+    )
 
 
-def open_aio_channel(address: str, *, tls: bool = False, root_certificates: bytes | str | Path | None = None,
-                     options: Options = ()) -> grpc.aio.Channel:
+def open_aio_channel(
+    address: str,
+    *,
+    tls: bool = False,
+    root_certificates: bytes | str | Path | None = None,
+    options: Options = (),
+) -> grpc.aio.Channel:
     """The grpc.aio twin of open_channel."""
     creds = _credentials(tls, root_certificates)
-    return (grpc.aio.secure_channel(address, creds, options=options) if creds
-            else grpc.aio.insecure_channel(address, options=options))
+    return (
+        grpc.aio.secure_channel(address, creds, options=options)
+        if creds
+        else grpc.aio.insecure_channel(address, options=options)
+    )
 
 
-def bind_port(server: grpc.aio.Server, host: str, port: int, tls_cert: str | None = None,
-              tls_key: str | None = None) -> int:
+def bind_port(
+    server: grpc.aio.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None
+) -> int:
     """Listen on host:port (port 0 picks one), with TLS when a certificate and key are given; -> the bound port."""
     address = f"{host}:{port}"
     if tls_cert and tls_key:

@@ -5,9 +5,9 @@ more adapters than one worker's slots without thrashing them:
 
     1. workers holding the adapter in a GPU slot, least loaded first;
     2. workers holding it in the CPU cache, least loaded first;
-    3. otherwise rendezvous (highest-random-weight) hashing of the adapter id over live workers, so
-       each adapter has a stable home and adapters spread evenly; base requests go to the least
-       loaded worker.
+    3. otherwise workers with a free GPU slot (nothing to evict there), then the rest; within each,
+       rendezvous (highest-random-weight) hashing of the adapter id, so each adapter has a stable
+       home and adapters spread evenly. Base requests go to the least loaded worker.
 
 Residency and load come from each worker's ListAdapters and GetWorkerInfo, cached for `refresh_s`.
 A worker that answers UNAVAILABLE is skipped for `down_s` and the request is retried on the next
@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from loraserve.v1 import worker_pb2
 
-from clients.worker_client import Delta, Generation, WorkerClient
+from loraserve.clients.worker_client import Delta, Generation, WorkerClient
+from loraserve.v1 import worker_pb2
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
@@ -43,6 +43,7 @@ class WorkerView:
     load: int = 0  # running + waiting sequences
     gpu: set[str] = field(default_factory=set)  # adapter ids in GPU slots
     cpu: set[str] = field(default_factory=set)  # adapter ids in the CPU cache
+    max_loras: int = 0  # GPU adapter slots
     seen_at: float = float("-inf")
     down_until: float = float("-inf")
 
@@ -55,7 +56,9 @@ def discover_workers(redis_url: str, prefix: str = "loraserve:") -> list[str]:
 
     import redis
 
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=2, decode_responses=True)
+    client = redis.Redis.from_url(
+        redis_url, socket_connect_timeout=2, socket_timeout=2, decode_responses=True
+    )
     try:
         ids: list[str] = sorted(client.smembers(prefix + "workers"))  # type: ignore[arg-type]
         raws = client.mget([prefix + "worker:" + w for w in ids]) if ids else []
@@ -73,15 +76,25 @@ def _weight(adapter_id: str, address: str) -> int:
 
 
 class WorkerRouter:
-    def __init__(self, addresses: Sequence[str], *, refresh_s: float = 2.0, down_s: float = 5.0,
-                 token: str | None = None, tls_ca: str | None = None, timeout: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        refresh_s: float = 2.0,
+        down_s: float = 5.0,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not addresses:
             raise ValueError("a router needs at least one worker address")
         self.refresh_s, self.down_s, self._clock = refresh_s, down_s, clock
         self._lock = threading.Lock()
-        self.workers = [WorkerView(a, WorkerClient(a, token=token, tls_ca=tls_ca, timeout=timeout))
-                        for a in dict.fromkeys(addresses)]
+        self.workers = [
+            WorkerView(a, WorkerClient(a, token=token, tls_ca=tls_ca, timeout=timeout))
+            for a in dict.fromkeys(addresses)
+        ]
 
     def _refresh(self, w: WorkerView, now: float) -> None:
         try:
@@ -93,6 +106,7 @@ class WorkerRouter:
             w.seen_at = now
             return
         w.load = info.num_running + info.num_waiting
+        w.max_loras = info.max_loras
         w.gpu = {a.adapter_id for a in listed.adapters if a.tier == worker_pb2.ADAPTER_TIER_GPU}
         w.cpu = {a.adapter_id for a in listed.adapters if a.tier == worker_pb2.ADAPTER_TIER_CPU}
         w.seen_at = now
@@ -110,26 +124,30 @@ class WorkerRouter:
             return sorted(live, key=lambda w: w.load)
 
         def rank(w: WorkerView) -> tuple[int, int, int]:
-            tier = 0 if aid in w.gpu else 1 if aid in w.cpu else 2
-            # held somewhere: least loaded holder first; held nowhere: the adapter's stable home
-            return (tier, w.load if tier < 2 else 0, -_weight(aid, w.address))
+            if aid in w.gpu or aid in w.cpu:
+                # held somewhere: least loaded holder first
+                return (0 if aid in w.gpu else 1, w.load, -_weight(aid, w.address))
+            # held nowhere: a free slot first, then the adapter's stable home
+            return (2 if len(w.gpu) < w.max_loras else 3, 0, -_weight(aid, w.address))
 
         return sorted(live, key=rank)
 
     def pick(self, adapter_id: str = "") -> str:
         return self.candidates(adapter_id)[0].address
 
-    def _mark_down(self, w: WorkerView) -> None:
+    def mark_down(self, w: WorkerView) -> None:
         with self._lock:
             w.down_until = self._clock() + self.down_s
 
-    def _note_use(self, w: WorkerView, adapter_id: str) -> None:
+    def note_use(self, w: WorkerView, adapter_id: str) -> None:
         aid = _base_id(adapter_id)
         if aid:
             with self._lock:
                 w.gpu.add(aid)
 
-    def generate(self, prompt: str | Sequence[int], *, adapter_id: str = "", **kw) -> Generation:
+    def generate(
+        self, prompt: str | Sequence[int] | None = None, *, adapter_id: str = "", **kw
+    ) -> Generation:
         last: grpc.RpcError | None = None
         for w in self.candidates(adapter_id):
             try:
@@ -137,15 +155,17 @@ class WorkerRouter:
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise
-                self._mark_down(w)
+                self.mark_down(w)
                 last = exc
                 continue
-            self._note_use(w, adapter_id)
+            self.note_use(w, adapter_id)
             return out
         assert last is not None
         raise last
 
-    def generate_stream(self, prompt: str | Sequence[int], *, adapter_id: str = "", **kw) -> Iterator[Delta]:
+    def generate_stream(
+        self, prompt: str | Sequence[int] | None = None, *, adapter_id: str = "", **kw
+    ) -> Iterator[Delta]:
         last: grpc.RpcError | None = None
         for w in self.candidates(adapter_id):
             started = False
@@ -156,10 +176,10 @@ class WorkerRouter:
             except grpc.RpcError as exc:
                 if started or exc.code() not in _RETRYABLE:
                     raise
-                self._mark_down(w)
+                self.mark_down(w)
                 last = exc
                 continue
-            self._note_use(w, adapter_id)
+            self.note_use(w, adapter_id)
             return
         assert last is not None
         raise last

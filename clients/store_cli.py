@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from loraserve.v1 import adapter_pb2
 
-from clients import tables
-from clients.store_client import StoreClient
+from loraserve.clients import tables
+from loraserve.clients.store_client import StoreClient
+from loraserve.v1 import adapter_pb2
 
 DEFAULT_STORE = "127.0.0.1:50051"
 
@@ -31,18 +31,27 @@ def _connection_args(parser: argparse.ArgumentParser, suppress: bool = False) ->
     def default(value: object) -> object:
         return argparse.SUPPRESS if suppress else value
 
-    parser.add_argument("--store", default=default(os.environ.get("LORASERVE_STORE", DEFAULT_STORE)),
-                        help="store address HOST:PORT (env LORASERVE_STORE)")
-    parser.add_argument("--token", default=default(os.environ.get("LORASERVE_ADMIN_TOKEN")),
-                        help="admin bearer token (env LORASERVE_ADMIN_TOKEN)")
+    parser.add_argument(
+        "--store",
+        default=default(os.environ.get("LORASERVE_STORE", DEFAULT_STORE)),
+        help="store address HOST:PORT (env LORASERVE_STORE)",
+    )
+    parser.add_argument(
+        "--token",
+        default=default(os.environ.get("LORASERVE_ADMIN_TOKEN")),
+        help="admin bearer token (env LORASERVE_ADMIN_TOKEN)",
+    )
     parser.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
-    parser.add_argument("--ca-cert", default=default(None), help="PEM root certificate(s) to trust (implies --tls)")
+    parser.add_argument(
+        "--ca-cert", default=default(None), help="PEM root certificate(s) to trust (implies --tls)"
+    )
     parser.add_argument("--timeout", type=float, default=default(120.0), help="seconds per call")
 
 
 def _client(args: argparse.Namespace) -> StoreClient:
-    return StoreClient(args.store, token=args.token, tls=args.tls, root_certificates=args.ca_cert,
-                       timeout=args.timeout)
+    return StoreClient(
+        args.store, token=args.token, tls=args.tls, root_certificates=args.ca_cert, timeout=args.timeout
+    )
 
 
 def info_dict(info: adapter_pb2.AdapterInfo) -> dict:
@@ -55,9 +64,13 @@ def _fail(exc: grpc.RpcError) -> int:
 
 
 def register_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loraserve register", description="Register an adapter with a store.")
+    parser = argparse.ArgumentParser(
+        prog="loraserve register", description="Register an adapter with a store."
+    )
     parser.add_argument("adapter_id", metavar="ID")
-    parser.add_argument("source", metavar="SOURCE", help="s3://bucket/prefix or a directory under the adapter root")
+    parser.add_argument(
+        "source", metavar="SOURCE", help="s3://bucket/prefix or a directory under the adapter root"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an adapter of the same id")
     _connection_args(parser)
     args = parser.parse_args(list(argv or []))
@@ -66,21 +79,35 @@ def register_main(argv: Sequence[str] | None = None) -> int:
             info = store.register(args.adapter_id, args.source, args.overwrite)
     except grpc.RpcError as exc:
         return _fail(exc)
-    print(f"registered {info.adapter_id}: rank {info.rank}, {', '.join(info.target_modules)}, "
-          f"{info.size_bytes} bytes {info.dtype}, digest {info.digest}")
+    print(
+        f"registered {info.adapter_id}: rank {info.rank}, {', '.join(info.target_modules)}, "
+        f"{info.size_bytes} bytes {info.dtype}, digest {info.digest}"
+    )
     return 0
 
 
 def format_table(infos: Sequence[adapter_pb2.AdapterInfo]) -> str:
     header = ("ID", "RANK", "ALPHA", "RSLORA", "DTYPE", "BYTES", "MODULES", "DIGEST")
-    rows = [(a.adapter_id, str(a.rank), f"{a.lora_alpha:g}", "yes" if a.use_rslora else "no", a.dtype,
-             str(a.size_bytes), ",".join(m.removesuffix("_proj") for m in a.target_modules),
-             a.digest[:12]) for a in infos]
+    rows = [
+        (
+            a.adapter_id,
+            str(a.rank),
+            f"{a.lora_alpha:g}",
+            "yes" if a.use_rslora else "no",
+            a.dtype,
+            str(a.size_bytes),
+            ",".join(m.removesuffix("_proj") for m in a.target_modules),
+            a.digest[:12],
+        )
+        for a in infos
+    ]
     return tables.format_table(header, rows)
 
 
 def adapters_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loraserve adapters", description="List, show or delete a store's adapters.")
+    parser = argparse.ArgumentParser(
+        prog="loraserve adapters", description="List, show or delete a store's adapters."
+    )
     _connection_args(parser)
     sub = parser.add_subparsers(dest="action")
     p_list = sub.add_parser("list", help="list every adapter (default)")

@@ -11,16 +11,23 @@ Failures surface as grpc.RpcError with the store's status code and message.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import grpc
+
+from loraserve.clients.channel import (
+    AsyncChannelClient,
+    ChannelClient,
+    bearer_metadata,
+    open_aio_channel,
+    open_channel,
+)
 from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
 
-from clients.channel import bearer_metadata, open_aio_channel, open_channel
-
 if TYPE_CHECKING:
-    from clients.adapter_fetch import FetchedAdapter
+    from loraserve.clients.adapter_fetch import FetchedAdapter
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -32,23 +39,45 @@ def _options(tls_server_name: str | None) -> list[tuple[str, object]]:
     return opts
 
 
-class StoreClient:
-    def __init__(self, address: str, *, token: str | None = None, tls: bool = False,
-                 root_certificates: bytes | str | Path | None = None, tls_server_name: str | None = None,
-                 timeout: float | None = 60.0) -> None:
-        self.channel = open_channel(address, tls=tls, root_certificates=root_certificates,
-                                    options=_options(tls_server_name))
+class _StoreClientBase:
+    """What both clients share: the channel (sync or grpc.aio, opened by the subclass's `_open`),
+    the stub, the call timeout and the bearer metadata."""
+
+    channel: Any
+    stub: Any
+    _open: Callable[..., Any]  # open_channel or open_aio_channel
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | str | Path | None = None,
+        tls_server_name: str | None = None,
+        timeout: float | None = 60.0,
+    ) -> None:
+        self.channel = self._open(
+            address, tls=tls, root_certificates=root_certificates, options=_options(tls_server_name)
+        )
         self.stub = store_pb2_grpc.AdapterStoreStub(self.channel)
         self.timeout = timeout
         self._md = bearer_metadata(token)
+
+
+class StoreClient(_StoreClientBase, ChannelClient):
+    channel: grpc.Channel
+    stub: store_pb2_grpc.AdapterStoreStub
+    _open = staticmethod(open_channel)
 
     def register(self, adapter_id: str, source: str, overwrite: bool = False) -> adapter_pb2.AdapterInfo:
         req = store_pb2.RegisterAdapterRequest(adapter_id=adapter_id, source=source, overwrite=overwrite)
         return self.stub.RegisterAdapter(req, timeout=self.timeout, metadata=self._md)
 
     def get(self, adapter_id: str) -> adapter_pb2.AdapterInfo:
-        return self.stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id=adapter_id), timeout=self.timeout,
-                                    metadata=self._md)
+        return self.stub.GetAdapter(
+            store_pb2.GetAdapterRequest(adapter_id=adapter_id), timeout=self.timeout, metadata=self._md
+        )
 
     def list_page(self, page_size: int = 0, page_token: str = "") -> store_pb2.ListAdaptersResponse:
         req = store_pb2.ListAdaptersRequest(page_size=page_size, page_token=page_token)
@@ -68,38 +97,33 @@ class StoreClient:
         return self.stub.DeleteAdapter(req, timeout=self.timeout, metadata=self._md).adapter
 
     def fetch(self, adapter_id: str, digest: str = "", pin_memory: bool | None = None) -> FetchedAdapter:
-        from clients.adapter_fetch import fetch_adapter  # torch: loaded by fetching clients only
+        from loraserve.clients.adapter_fetch import fetch_adapter  # torch: loaded by fetching clients only
 
-        return fetch_adapter(self.channel, adapter_id, digest=digest, timeout=self.timeout, metadata=self._md,
-                             pin_memory=pin_memory)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self) -> StoreClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return fetch_adapter(
+            self.channel,
+            adapter_id,
+            digest=digest,
+            timeout=self.timeout,
+            metadata=self._md,
+            pin_memory=pin_memory,
+        )
 
 
-class AsyncStoreClient:
-    def __init__(self, address: str, *, token: str | None = None, tls: bool = False,
-                 root_certificates: bytes | str | Path | None = None, tls_server_name: str | None = None,
-                 timeout: float | None = 60.0) -> None:
-        self.channel = open_aio_channel(address, tls=tls, root_certificates=root_certificates,
-                                        options=_options(tls_server_name))
-        self.stub = store_pb2_grpc.AdapterStoreStub(self.channel)
-        self.timeout = timeout
-        self._md = bearer_metadata(token)
+class AsyncStoreClient(_StoreClientBase, AsyncChannelClient):
+    channel: grpc.aio.Channel
+    stub: store_pb2_grpc.AdapterStoreAsyncStub
+    _open = staticmethod(open_aio_channel)
 
-    async def register(self, adapter_id: str, source: str, overwrite: bool = False) -> adapter_pb2.AdapterInfo:
+    async def register(
+        self, adapter_id: str, source: str, overwrite: bool = False
+    ) -> adapter_pb2.AdapterInfo:
         req = store_pb2.RegisterAdapterRequest(adapter_id=adapter_id, source=source, overwrite=overwrite)
         return await self.stub.RegisterAdapter(req, timeout=self.timeout, metadata=self._md)
 
     async def get(self, adapter_id: str) -> adapter_pb2.AdapterInfo:
-        return await self.stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id=adapter_id),
-                                          timeout=self.timeout, metadata=self._md)
+        return await self.stub.GetAdapter(
+            store_pb2.GetAdapterRequest(adapter_id=adapter_id), timeout=self.timeout, metadata=self._md
+        )
 
     async def list_page(self, page_size: int = 0, page_token: str = "") -> store_pb2.ListAdaptersResponse:
         req = store_pb2.ListAdaptersRequest(page_size=page_size, page_token=page_token)
@@ -119,17 +143,18 @@ class AsyncStoreClient:
         req = store_pb2.DeleteAdapterRequest(adapter_id=adapter_id)
         return (await self.stub.DeleteAdapter(req, timeout=self.timeout, metadata=self._md)).adapter
 
-    async def fetch(self, adapter_id: str, digest: str = "", pin_memory: bool | None = None) -> FetchedAdapter:
-        from clients.adapter_fetch import fetch_adapter_async  # torch: loaded by fetching clients only
+    async def fetch(
+        self, adapter_id: str, digest: str = "", pin_memory: bool | None = None
+    ) -> FetchedAdapter:
+        from loraserve.clients.adapter_fetch import (
+            fetch_adapter_async,  # torch: loaded by fetching clients only
+        )
 
-        return await fetch_adapter_async(self.channel, adapter_id, digest=digest, timeout=self.timeout,
-                                         metadata=self._md, pin_memory=pin_memory)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def __aenter__(self) -> AsyncStoreClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        return await fetch_adapter_async(
+            self.channel,
+            adapter_id,
+            digest=digest,
+            timeout=self.timeout,
+            metadata=self._md,
+            pin_memory=pin_memory,
+        )

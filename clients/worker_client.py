@@ -4,18 +4,30 @@
         print(w.generate("Hello", max_tokens=20).text)
         for delta in w.generate_stream("Once upon a time", temperature=0.8, seed=1):
             print(delta.text, end="", flush=True)
+        chat = w.generate(messages=[{"role": "user", "content": "Hi!"}], n=2, logprobs=True)
+        for c in chat.completions:
+            print(c.index, c.text, [lp.logprob for lp in c.logprobs])
 
 Failures surface as `grpc.RpcError` with the server's status code and message.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+import grpc
+
+from loraserve.clients.channel import (
+    AsyncChannelClient,
+    ChannelClient,
+    bearer_metadata,
+    open_aio_channel,
+    open_channel,
+)
+from loraserve.contract.usage import Usage
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
-
-from clients.channel import bearer_metadata, open_aio_channel, open_channel
 
 FINISH_REASONS = {
     worker_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -28,28 +40,51 @@ TIERS = {"gpu": worker_pb2.ADAPTER_TIER_GPU, "cpu": worker_pb2.ADAPTER_TIER_CPU}
 
 
 @dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    queue_time_ms: float
-    time_to_first_token_ms: float
-    total_time_ms: float
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+    top_logprobs: list[TopLogprob] = field(default_factory=list)  # most likely first
 
     @classmethod
-    def from_pb(cls, u: worker_pb2.Usage) -> Usage:
-        return cls(u.prompt_tokens, u.completion_tokens, u.queue_time_ms, u.time_to_first_token_ms,
-                   u.total_time_ms)
+    def from_pb(cls, t: worker_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(
+            t.token_id,
+            t.token,
+            t.logprob,
+            t.token_bytes,
+            [TopLogprob(a.token_id, a.token, a.logprob, a.token_bytes) for a in t.top_logprobs],
+        )
+
+
+@dataclass(frozen=True)
+class Completion:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
 
 
 @dataclass(frozen=True)
 class Generation:
     request_id: str
-    text: str
+    text: str  # text, token_ids and finish_reason repeat completions[0]
     token_ids: list[int]
     finish_reason: str | None
-    usage: Usage
+    usage: Usage  # completion_tokens summed over all completions
     adapter_id: str = ""
     adapter_digest: str = ""
+    completions: list[Completion] = field(default_factory=list)  # n entries, by index
 
 
 @dataclass(frozen=True)
@@ -57,60 +92,160 @@ class Delta:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # set on the last delta only
-    usage: Usage | None = None  # set on the last delta only
+    finish_reason: str | None = None  # set on the last delta of each index
+    usage: Usage | None = None  # set on the very last delta of the stream only
+    index: int = 0  # which completion (0..n-1)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of this delta's tokens
 
 
-def build_request(prompt: str | Sequence[int], *, adapter_id: str = "", max_tokens: int = 0,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0, seed: int | None = None,
-                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                  request_id: str = "") -> worker_pb2.GenerateRequest:
-    sampling = worker_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                         top_p=top_p, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                         ignore_eos=ignore_eos)
+ChatMessages = Sequence[Mapping[str, str] | tuple[str, str] | worker_pb2.ChatMessage]
+
+
+def chat_message(m: Mapping[str, str] | tuple[str, str] | worker_pb2.ChatMessage) -> worker_pb2.ChatMessage:
+    """{"role": ..., "content": ...}, (role, content) or a ChatMessage -> ChatMessage."""
+    if isinstance(m, worker_pb2.ChatMessage):
+        return m
+    if isinstance(m, tuple):
+        role, content = m
+        return worker_pb2.ChatMessage(role=role, content=content)
+    return worker_pb2.ChatMessage(role=m["role"], content=m.get("content") or "")
+
+
+def build_request(
+    prompt: str | Sequence[int] | None = None,
+    *,
+    messages: ChatMessages | None = None,
+    add_generation_prompt: bool | None = None,
+    adapter_id: str = "",
+    max_tokens: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    n: int = 0,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 0.0,
+    request_id: str = "",
+) -> worker_pb2.GenerateRequest:
+    """A GenerateRequest from a prompt (text or token ids) or chat `messages`; zero values mean
+    the server's defaults (n 1, repetition_penalty 1.0 = off)."""
+    sampling = worker_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        n=n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+    )
     if seed is not None:
         sampling.seed = seed
     req = worker_pb2.GenerateRequest(adapter_id=adapter_id, sampling=sampling, request_id=request_id)
+    if messages is not None:
+        req.messages.extend(chat_message(m) for m in messages)
+        if add_generation_prompt is not None:
+            req.add_generation_prompt = add_generation_prompt
     if isinstance(prompt, str):
         req.prompt = prompt
-    else:
+    elif prompt is not None:
         req.prompt_token_ids.extend(int(t) for t in prompt)
     return req
 
 
+def _completion(c: worker_pb2.Completion) -> Completion:
+    return Completion(
+        c.index,
+        c.text,
+        list(c.token_ids),
+        FINISH_REASONS[c.finish_reason],
+        [TokenLogprob.from_pb(t) for t in c.logprobs],
+    )
+
+
 def _generation(r: worker_pb2.GenerateResponse) -> Generation:
-    return Generation(r.request_id, r.text, list(r.token_ids), FINISH_REASONS[r.finish_reason],
-                      Usage.from_pb(r.usage), r.adapter_id, r.adapter_digest)
+    completions = [_completion(c) for c in r.completions] or [
+        Completion(0, r.text, list(r.token_ids), FINISH_REASONS[r.finish_reason])
+    ]
+    return Generation(
+        r.request_id,
+        r.text,
+        list(r.token_ids),
+        FINISH_REASONS[r.finish_reason],
+        Usage.from_pb(r.usage),
+        r.adapter_id,
+        r.adapter_digest,
+        completions,
+    )
 
 
 def _delta(r: worker_pb2.GenerateStreamResponse) -> Delta:
-    last = r.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED
-    return Delta(r.request_id, r.text, list(r.token_ids), FINISH_REASONS[r.finish_reason],
-                 Usage.from_pb(r.usage) if last else None)
+    return Delta(
+        r.request_id,
+        r.text,
+        list(r.token_ids),
+        FINISH_REASONS[r.finish_reason],
+        Usage.from_pb(r.usage) if r.HasField("usage") else None,
+        r.index,
+        [TokenLogprob.from_pb(t) for t in r.logprobs],
+    )
 
 
 class _Base:
-    def __init__(self, token: str | None, admin_token: str | None, timeout: float | None) -> None:
+    """What both clients share: the channel (sync or grpc.aio, opened by the subclass's `_open`),
+    the stub, the call timeout and the bearer tokens of generation and admin calls."""
+
+    channel: Any
+    stub: Any
+    _open: Callable[..., Any]  # open_channel or open_aio_channel
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        admin_token: str | None = None,
+        tls_ca: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
         self._token, self._admin_token, self.timeout = token, admin_token, timeout
+        self.channel = self._open(address, root_certificates=tls_ca)
+        self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
 
     def _md(self, admin: bool = False) -> tuple[tuple[str, str], ...] | None:
         return bearer_metadata(self._admin_token if admin else self._token)
 
 
-class WorkerClient(_Base):
-    def __init__(self, address: str, *, token: str | None = None, admin_token: str | None = None,
-                 tls_ca: str | None = None, timeout: float | None = None) -> None:
-        super().__init__(token, admin_token, timeout)
-        self.channel = open_channel(address, root_certificates=tls_ca)
-        self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
+class WorkerClient(_Base, ChannelClient):
+    channel: grpc.Channel
+    stub: worker_pb2_grpc.InferenceWorkerStub
+    _open = staticmethod(open_channel)
 
-    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **kw) -> Generation:
-        r = self.stub.Generate(build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout)
+    def generate(
+        self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
+    ) -> Generation:
+        r = self.stub.Generate(
+            build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
+        )
         return _generation(r)
 
-    def generate_stream(self, prompt: str | Sequence[int], *, timeout: float | None = None, **kw) -> Iterator[Delta]:
-        call = self.stub.GenerateStream(build_request(prompt, **kw), metadata=self._md(),
-                                        timeout=timeout or self.timeout)
+    def generate_stream(
+        self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
+    ) -> Iterator[Delta]:
+        call = self.stub.GenerateStream(
+            build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
+        )
         try:
             for r in call:
                 yield _delta(r)
@@ -121,46 +256,51 @@ class WorkerClient(_Base):
         return self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout)
 
     def load_adapter(self, adapter_id: str, tier: str = "gpu") -> worker_pb2.WorkerAdapter:
-        return self.stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, tier=TIERS[tier]),
-                                     metadata=self._md(admin=True), timeout=self.timeout).adapter
+        return self.stub.LoadAdapter(
+            worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, tier=TIERS[tier]),
+            metadata=self._md(admin=True),
+            timeout=self.timeout,
+        ).adapter
 
     def unload_adapter(self, adapter_id: str) -> bool:
-        return self.stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id),
-                                       metadata=self._md(admin=True), timeout=self.timeout).unloaded
+        return self.stub.UnloadAdapter(
+            worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id),
+            metadata=self._md(admin=True),
+            timeout=self.timeout,
+        ).unloaded
 
     def pin_adapter(self, adapter_id: str, pinned: bool = True) -> worker_pb2.WorkerAdapter:
-        return self.stub.PinAdapter(worker_pb2.PinAdapterRequest(adapter_id=adapter_id, pinned=pinned),
-                                    metadata=self._md(admin=True), timeout=self.timeout).adapter
+        return self.stub.PinAdapter(
+            worker_pb2.PinAdapterRequest(adapter_id=adapter_id, pinned=pinned),
+            metadata=self._md(admin=True),
+            timeout=self.timeout,
+        ).adapter
 
     def list_adapters(self) -> list[worker_pb2.WorkerAdapter]:
-        return list(self.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=self.timeout).adapters)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self) -> WorkerClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return list(
+            self.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=self.timeout).adapters
+        )
 
 
-class AsyncWorkerClient(_Base):
-    def __init__(self, address: str, *, token: str | None = None, admin_token: str | None = None,
-                 tls_ca: str | None = None, timeout: float | None = None) -> None:
-        super().__init__(token, admin_token, timeout)
-        self.channel = open_aio_channel(address, root_certificates=tls_ca)
-        self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
+class AsyncWorkerClient(_Base, AsyncChannelClient):
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.InferenceWorkerAsyncStub
+    _open = staticmethod(open_aio_channel)
 
-    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, **kw) -> Generation:
-        r = await self.stub.Generate(build_request(prompt, **kw), metadata=self._md(),
-                                     timeout=timeout or self.timeout)
+    async def generate(
+        self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
+    ) -> Generation:
+        r = await self.stub.Generate(
+            build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
+        )
         return _generation(r)
 
-    async def generate_stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
-                              **kw) -> AsyncIterator[Delta]:
-        call = self.stub.GenerateStream(build_request(prompt, **kw), metadata=self._md(),
-                                        timeout=timeout or self.timeout)
+    async def generate_stream(
+        self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
+    ) -> AsyncIterator[Delta]:
+        call = self.stub.GenerateStream(
+            build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
+        )
         try:
             async for r in call:
                 yield _delta(r)
@@ -171,29 +311,29 @@ class AsyncWorkerClient(_Base):
         return await self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout)
 
     async def load_adapter(self, adapter_id: str, tier: str = "gpu") -> worker_pb2.WorkerAdapter:
-        r = await self.stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, tier=TIERS[tier]),
-                                        metadata=self._md(admin=True), timeout=self.timeout)
+        r = await self.stub.LoadAdapter(
+            worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, tier=TIERS[tier]),
+            metadata=self._md(admin=True),
+            timeout=self.timeout,
+        )
         return r.adapter
 
     async def unload_adapter(self, adapter_id: str) -> bool:
-        r = await self.stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id),
-                                          metadata=self._md(admin=True), timeout=self.timeout)
+        r = await self.stub.UnloadAdapter(
+            worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id),
+            metadata=self._md(admin=True),
+            timeout=self.timeout,
+        )
         return r.unloaded
 
     async def pin_adapter(self, adapter_id: str, pinned: bool = True) -> worker_pb2.WorkerAdapter:
-        r = await self.stub.PinAdapter(worker_pb2.PinAdapterRequest(adapter_id=adapter_id, pinned=pinned),
-                                       metadata=self._md(admin=True), timeout=self.timeout)
+        r = await self.stub.PinAdapter(
+            worker_pb2.PinAdapterRequest(adapter_id=adapter_id, pinned=pinned),
+            metadata=self._md(admin=True),
+            timeout=self.timeout,
+        )
         return r.adapter
 
     async def list_adapters(self) -> list[worker_pb2.WorkerAdapter]:
         r = await self.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=self.timeout)
         return list(r.adapters)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def __aenter__(self) -> AsyncWorkerClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

@@ -15,8 +15,8 @@ from pathlib import Path
 import boto3
 from botocore.exceptions import ClientError
 
-from adapter_store.demo import write_demo_adapters
-from inference_worker.model.tiny import write_tiny_llama
+from loraserve.adapter_store.demo import write_demo_adapters
+from loraserve.inference_worker.model.tiny import write_tiny_llama
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from clients.settings import config_from_args
+from loraserve.serving.settings import config_from_args
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -101,8 +101,16 @@ class WorkerConfig:
             problems.append(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue_size", "default_max_tokens",
-                     "max_loras", "max_cpu_loras", "max_lora_rank", "max_cpu_lora_mb"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queue_size",
+            "default_max_tokens",
+            "max_loras",
+            "max_cpu_loras",
+            "max_lora_rank",
+            "max_cpu_lora_mb",
+        ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
         for name in ("max_model_len", "kv_cache_mb", "num_kv_blocks"):
@@ -113,7 +121,9 @@ class WorkerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             problems.append("max_num_batched_tokens must be >= max_num_seqs (every running sequence decodes)")
         if self.max_cpu_loras < self.max_loras:
-            problems.append("max_cpu_loras must be >= max_loras (every GPU-resident adapter is in the CPU cache)")
+            problems.append(
+                "max_cpu_loras must be >= max_loras (every GPU-resident adapter is in the CPU cache)"
+            )
         if self.max_lora_rank > 512:
             problems.append("max_lora_rank must be <= 512")
         if self.num_kv_blocks == 1:
@@ -135,6 +145,15 @@ class WorkerConfig:
         return self.worker_id or f"{socket.gethostname()}-{self.port}"
 
     @classmethod
-    def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> WorkerConfig:
-        return config_from_args(cls, argv, env, prog="loraserve worker", description="Run an inference worker.",
-                                help=_HELP, required=("model",))
+    def from_args(
+        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> WorkerConfig:
+        return config_from_args(
+            cls,
+            argv,
+            env,
+            prog="loraserve worker",
+            description="Run an inference worker.",
+            help=_HELP,
+            required=("model",),
+        )

@@ -1,16 +1,16 @@
-"""The worker's domain errors and, in one place, the gRPC status code each maps to.
+"""The worker's domain errors, each naming the gRPC status code it is answered with.
 
-Domain code raises these (it never imports grpc); the servicer turns them into statuses with
-`status_code_name`/`grpc_status_code`. Anything else that escapes is a bug: INTERNAL.
+Domain code raises these and never imports grpc; the server's error interceptor maps them
+(loraserve/serving/errors.py). Anything else that escapes a handler is a bug: INTERNAL.
 """
 
 from __future__ import annotations
 
+from loraserve.serving.errors import ServiceError
 
-class WorkerError(Exception):
+
+class WorkerError(ServiceError):
     """Base of the worker's expected failures."""
-
-    code = "INTERNAL"
 
 
 class InvalidRequest(WorkerError):
@@ -61,20 +61,3 @@ class DependencyUnavailable(WorkerError):
 
 class DeadlineExceeded(WorkerError):
     code = "DEADLINE_EXCEEDED"
-
-
-def status_code_name(exc: BaseException) -> str:
-    """The gRPC status code name for an exception (INTERNAL for anything unexpected)."""
-    if isinstance(exc, WorkerError):
-        return exc.code
-    from inference_worker.model.config import ModelConfigError
-
-    if isinstance(exc, ModelConfigError):
-        return "FAILED_PRECONDITION"
-    return "INTERNAL"
-
-
-def grpc_status_code(exc: BaseException):
-    import grpc
-
-    return getattr(grpc.StatusCode, status_code_name(exc))

@@ -11,21 +11,37 @@ class WorkerMetrics:
     def __init__(self, engine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("loraserve_worker_requests", "Generate requests by method and status code",
-                                ["method", "code"], registry=r)
-        self.prompt_tokens = Counter("loraserve_worker_prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=r)
+        self.requests = Counter(
+            "loraserve_worker_requests",
+            "Generate requests by method and status code",
+            ["method", "code"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "loraserve_worker_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
         self.generated_tokens = Counter("loraserve_worker_generated_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("loraserve_worker_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
-        self.queue_time = Histogram("loraserve_worker_queue_time_seconds", "Arrival to admission",
-                                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=r)
-        Gauge("loraserve_worker_queue_depth", "Requests waiting for admission",
-              registry=r).set_function(lambda: engine.num_waiting)
-        Gauge("loraserve_worker_running_sequences", "Sequences in the running batch",
-              registry=r).set_function(lambda: engine.num_running)
-        Gauge("loraserve_worker_kv_free_blocks", "Free KV cache blocks",
-              registry=r).set_function(lambda: engine.num_free_blocks)
+        self.ttft = Histogram(
+            "loraserve_worker_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "loraserve_worker_queue_time_seconds",
+            "Arrival to admission",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=r,
+        )
+        Gauge("loraserve_worker_queue_depth", "Requests waiting for admission", registry=r).set_function(
+            lambda: engine.num_waiting
+        )
+        Gauge(
+            "loraserve_worker_running_sequences", "Sequences in the running batch", registry=r
+        ).set_function(lambda: engine.num_running)
+        Gauge("loraserve_worker_kv_free_blocks", "Free KV cache blocks", registry=r).set_function(
+            lambda: engine.num_free_blocks
+        )
         self._server: Any = None  # prometheus_client's WSGIServer once serving
 
     def observe_finished(self, usage) -> None:

@@ -3,15 +3,14 @@
 Drain (SIGTERM): health goes NOT_SERVING, new generations get UNAVAILABLE, running ones get
 `grace_period_s` to finish, then the server stops and the engine thread ends.
 
-Adapters: with `store_address` set and no manager passed in, the server builds one with
-`inference_worker.adapters.runtime.create_adapter_manager(config, engine)` (the adapter package's
-factory, see engine/adapter_hooks.py for the protocol it implements).
+The server binds its port, then builds the worker's parts once through `builder.build_worker`
+(model -> adapters -> engine) with the bound port in its configuration (the worker id and the
+address it advertises derive from it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import signal
 import time
@@ -20,53 +19,66 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
-from clients.background import BackgroundServer
-from clients.channel import bind_port
-from clients.logs import configure_logging
-from inference_worker.config import WorkerConfig
-from inference_worker.engine.adapter_hooks import AdapterManager
-from inference_worker.engine.builder import build_engine
-from inference_worker.engine.engine import LLMEngine
-from inference_worker.metrics import WorkerMetrics
-from inference_worker.model.config import ModelConfigError
-from inference_worker.service import InferenceWorkerServicer, dispatch_on
+from loraserve.clients.channel import bind_port
+from loraserve.inference_worker.builder import build_worker
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.engine.engine import LLMEngine
+from loraserve.inference_worker.metrics import WorkerMetrics
+from loraserve.inference_worker.model.config import ModelConfigError
+from loraserve.inference_worker.service import InferenceWorkerServicer, dispatch_on
+from loraserve.serving.background import BackgroundServer
+from loraserve.serving.interceptors import BearerTokenInterceptor, ErrorStatusInterceptor
+from loraserve.serving.logs import configure_logging
+from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("loraserve.worker")
 SERVICE_NAME = "loraserve.v1.InferenceWorker"
+# the RPCs that need the generate token, and the admin token, when one is configured
+GENERATE_METHODS = ("Generate", "GenerateStream")
+ADMIN_METHODS = ("LoadAdapter", "UnloadAdapter", "PinAdapter")
 
 
 class WorkerServer:
     """A grpc.aio server with its engine, health, reflection, metrics and drain."""
 
-    def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.adapters: AdapterManager | None = None
-        self.metrics = WorkerMetrics(engine)
+    def __init__(self, config: WorkerConfig) -> None:
         self.health = health.aio.HealthServicer()
-        self.grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.grpc_server = grpc.aio.server(
+            interceptors=[
+                BearerTokenInterceptor(
+                    {f"/{SERVICE_NAME}/{m}": config.generate_token for m in GENERATE_METHODS}
+                    | {f"/{SERVICE_NAME}/{m}": config.admin_token for m in ADMIN_METHODS}
+                ),
+                ErrorStatusInterceptor(log),
+            ],
+            options=[("grpc.so_reuseport", 0)],
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
-            (worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.grpc_server)
+            (
+                worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.grpc_server,
+        )
         self.port = bind_port(self.grpc_server, config.host, config.port, config.tls_cert, config.tls_key)
         # the bound port (port 0 picks one): the worker id and the advertised address derive from it
         self.config = config.replace(port=self.port) if config.port == 0 else config
-        self.servicer = InferenceWorkerServicer(engine, self.config, self.metrics, None)
+        worker = build_worker(self.config)
+        self.engine, self.adapters = worker.engine, worker.adapters
+        self.metrics = WorkerMetrics(self.engine)
+        if self.adapters is not None:
+            self.adapters.register_metrics(self.metrics.registry)
+        self.servicer = InferenceWorkerServicer(self.engine, self.config, self.metrics, self.adapters)
         worker_pb2_grpc.add_InferenceWorkerServicer_to_server(self.servicer, self.grpc_server)
         self.metrics_port: int | None = None
-
-    def set_adapters(self, adapters: AdapterManager) -> None:
-        """Serve adapters through this manager (before `start()`)."""
-        self.adapters = self.servicer.adapters = adapters
-        adapters.register_metrics(self.metrics.registry)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         if self.adapters is not None:
-            self.adapters.attach(self.engine, loop)
+            self.adapters.start(loop, on_fetched=self.engine.wake)
         self.engine.output_dispatcher = dispatch_on(loop)
         self.engine.start()
         await self.grpc_server.start()
@@ -98,31 +110,15 @@ class WorkerServer:
         await self.grpc_server.wait_for_termination()
 
 
-def _adapter_manager(config: WorkerConfig, engine: LLMEngine) -> AdapterManager | None:
-    if not config.store_address:
-        return None
-    try:
-        factory = importlib.import_module("inference_worker.adapters.runtime").create_adapter_manager
-    except (ImportError, AttributeError) as exc:
-        raise ModelConfigError(f"store_address is set but adapters are unavailable here: {exc}") from exc
-    return factory(config, engine)
-
-
-def create_server(config: WorkerConfig, adapters: AdapterManager | None = None) -> tuple[WorkerServer, int]:
-    """Build the engine and the server (not started: `await server.start()`); port 0 picks one."""
-    engine = build_engine(config)
-    server = WorkerServer(config, engine)
-    if adapters is None:
-        adapters = _adapter_manager(server.config, engine)
-    if adapters is not None:
-        engine.set_adapter_manager(adapters)
-        server.set_adapters(adapters)
+def create_server(config: WorkerConfig) -> tuple[WorkerServer, int]:
+    """Build the worker and its server (not started: `await server.start()`); port 0 picks one."""
+    server = WorkerServer(config)
     return server, server.port
 
 
-async def start_worker(config: WorkerConfig, adapters: AdapterManager | None = None) -> tuple[WorkerServer, int]:
+async def start_worker(config: WorkerConfig) -> tuple[WorkerServer, int]:
     """Create and start a worker in this event loop; `await server.drain()` or `.stop()` to end it."""
-    server, port = create_server(config, adapters)
+    server, port = create_server(config)
     await server.start()
     return server, port
 
@@ -130,13 +126,13 @@ async def start_worker(config: WorkerConfig, adapters: AdapterManager | None = N
 class BackgroundWorker(BackgroundServer["WorkerServer"]):
     """A worker running on its own event loop in a daemon thread (embedded default, tests).
 
-        bg = BackgroundWorker(WorkerConfig(model=..., port=0))
-        ...  # talk to bg.address
-        bg.stop()      # or bg.call(bg.server.drain(5.0))
+    bg = BackgroundWorker(WorkerConfig(model=..., port=0))
+    ...  # talk to bg.address
+    bg.stop()      # or bg.call(bg.server.drain(5.0))
     """
 
-    def __init__(self, config: WorkerConfig, adapters: AdapterManager | None = None) -> None:
-        super().__init__(lambda: start_worker(config, adapters), config.host, "inference-worker")
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(lambda: start_worker(config), config.host, "inference-worker")
 
     @property
     def engine(self) -> LLMEngine:

@@ -1,4 +1,5 @@
-"""The InferenceWorker servicer: pb -> engine request -> pb, errors mapped by inference_worker.errors."""
+"""The InferenceWorker servicer: pb -> engine request -> pb. Domain errors propagate; the server's
+interceptors (loraserve/serving/interceptors.py) check bearer tokens and make errors statuses."""
 
 from __future__ import annotations
 
@@ -8,54 +9,62 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
-from clients.bearer import check_bearer
-from inference_worker.config import WorkerConfig
-from inference_worker.engine.adapter_hooks import AdapterManager, AdapterState
-from inference_worker.engine.engine import LLMEngine
-from inference_worker.engine.sequence import FinishReason, RequestOutput, SamplingParams, Usage
-from inference_worker.errors import (
-    Draining,
-    InvalidRequest,
-    NoAdapterStore,
-    WorkerError,
-    grpc_status_code,
-)
-from inference_worker.metrics import WorkerMetrics
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.engine.adapter_hooks import AdapterAdmin, AdapterState
+from loraserve.inference_worker.engine.engine import LLMEngine
+from loraserve.inference_worker.engine.sequence import RequestOutput, SamplingParams
+from loraserve.inference_worker.errors import Draining, InvalidRequest, NoAdapterStore, WorkerError
+from loraserve.inference_worker.metrics import WorkerMetrics
+from loraserve.inference_worker.model.chat_template import ChatMessage
+from loraserve.inference_worker.model.token_bytes import TokenBytes
+from loraserve.inference_worker.outputs_pb import ResponseBuilder, stream_message
+from loraserve.serving.errors import status_of
+from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
 VERSION = "0.1.0"
 
-_FINISH = {
-    FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP: worker_pb2.FINISH_REASON_STOP,
-    FinishReason.EOS: worker_pb2.FINISH_REASON_EOS,
-    FinishReason.CANCELLED: worker_pb2.FINISH_REASON_CANCELLED,
+_TIERS = {
+    "gpu": worker_pb2.ADAPTER_TIER_GPU,
+    "cpu": worker_pb2.ADAPTER_TIER_CPU,
+    "loading": worker_pb2.ADAPTER_TIER_LOADING,
 }
-_TIERS = {"gpu": worker_pb2.ADAPTER_TIER_GPU, "cpu": worker_pb2.ADAPTER_TIER_CPU,
-          "loading": worker_pb2.ADAPTER_TIER_LOADING}
 
 
 def sampling_from_pb(s: worker_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
-        top_p=s.top_p if s.top_p != 0 else 1.0, seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
-
-
-def usage_to_pb(u: Usage) -> worker_pb2.Usage:
-    return worker_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                            queue_time_ms=u.queue_time_ms, time_to_first_token_ms=u.time_to_first_token_ms,
-                            total_time_ms=u.total_time_ms)
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if s.top_p != 0 else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        n=s.n if s.n != 0 else 1,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty != 0 else 1.0,
+    )
 
 
 def adapter_to_pb(a: AdapterState) -> worker_pb2.WorkerAdapter:
     pb = worker_pb2.WorkerAdapter(
-        adapter_id=a.adapter_id, digest=a.digest, tier=_TIERS.get(a.tier, worker_pb2.ADAPTER_TIER_UNSPECIFIED),
-        slot=a.slot, pinned=a.pinned, rank=a.rank, size_bytes=a.size_bytes, num_requests=a.num_requests,
-        num_tokens=a.num_tokens, num_gpu_loads=a.num_gpu_loads, num_running=a.num_running)
+        adapter_id=a.adapter_id,
+        digest=a.digest,
+        tier=_TIERS.get(a.tier, worker_pb2.ADAPTER_TIER_UNSPECIFIED),
+        slot=a.slot,
+        pinned=a.pinned,
+        rank=a.rank,
+        size_bytes=a.size_bytes,
+        num_requests=a.num_requests,
+        num_tokens=a.num_tokens,
+        num_gpu_loads=a.num_gpu_loads,
+        num_running=a.num_running,
+    )
     if a.last_used is not None:
         ts = Timestamp()
         ts.FromNanoseconds(int(a.last_used * 1e9))
@@ -75,25 +84,23 @@ def dispatch_on(loop: asyncio.AbstractEventLoop):
 
 
 class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
-    def __init__(self, engine: LLMEngine, config: WorkerConfig, metrics: WorkerMetrics,
-                 adapters: AdapterManager | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        config: WorkerConfig,
+        metrics: WorkerMetrics,
+        adapters: AdapterAdmin | None = None,
+    ) -> None:
         self.engine, self.config, self.metrics, self.adapters = engine, config, metrics, adapters
         self.draining = False
+        self.token_text = TokenBytes(engine.tokenizer)  # token id -> (text, bytes) for logprobs
         self.active = 0  # generations in flight
 
     # -------------------------------------------------------------------------- helpers
-    async def _authorize(self, context: grpc.aio.ServicerContext, token: str | None) -> None:
-        if not token:
-            return
-        denied = check_bearer(context.invocation_metadata(), token)
-        if denied is not None:
-            code, message = denied
-            await context.abort(grpc.StatusCode[code], message)
-
-    async def _outputs(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                       method: str) -> AsyncIterator[RequestOutput]:
+    async def _outputs(
+        self, request: worker_pb2.GenerateRequest, context, method: str
+    ) -> AsyncIterator[RequestOutput]:
         """Submits the request and yields its outputs; aborting the sequence if the call goes away."""
-        await self._authorize(context, self.config.generate_token)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = request.request_id or uuid.uuid4().hex
         remaining = context.time_remaining()
@@ -102,24 +109,34 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         try:
             if self.draining:
                 raise Draining("the worker is draining; retry on another worker")
-            seq = self.engine.make_sequence(
-                rid, request.prompt, list(request.prompt_token_ids), sampling_from_pb(request.sampling),
-                queue.put_nowait, request.adapter_id, deadline)
+            args = (
+                rid,
+                request.prompt,
+                list(request.prompt_token_ids),
+                sampling_from_pb(request.sampling),
+                queue.put_nowait,
+                request.adapter_id,
+                deadline,
+                [ChatMessage(m.role, m.content) for m in request.messages],
+                request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
+            )
+            # rendering a chat template is CPU work: off the event loop
+            make = self.engine.make_sequence
+            seq = await asyncio.to_thread(make, *args) if request.messages else make(*args)
             self.engine.submit(seq)
         except WorkerError as exc:
             self.metrics.requests.labels(method, exc.code).inc()
-            await context.abort(grpc_status_code(exc), str(exc))
+            raise
         self.active += 1
         try:
             while True:
                 out = await queue.get()
-                if out.finished:
+                if out.last:  # all n completions ended, or one failed
                     finished = True
                     if out.error is not None:
-                        code = grpc_status_code(out.error)
-                        self.metrics.requests.labels(method, code.name).inc()
-                        await context.abort(code, str(out.error) if isinstance(out.error, WorkerError)
-                                            else f"generation failed: {out.error!r}")
+                        self.engine.abort(rid)  # the other completions, if any
+                        self.metrics.requests.labels(method, status_of(out.error)[0]).inc()
+                        raise out.error
                     self.metrics.requests.labels(method, "OK").inc()
                     if out.usage is not None:
                         self.metrics.observe_finished(out.usage)
@@ -134,70 +151,62 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
 
     # ---------------------------------------------------------------------------- RPCs
     async def Generate(self, request, context):
-        rid = request.request_id
-        text, token_ids, last = [], [], None
+        response = ResponseBuilder(request.request_id, self.token_text)
         async with aclosing(self._outputs(request, context, "Generate")) as outs:
             async for out in outs:
-                rid = out.request_id
-                text.append(out.text)
-                token_ids.extend(out.token_ids)
-                last = out
-        assert last is not None and last.usage is not None and last.finish_reason is not None
-        return worker_pb2.GenerateResponse(
-            request_id=rid, text="".join(text), token_ids=token_ids, finish_reason=_FINISH[last.finish_reason],
-            usage=usage_to_pb(last.usage), adapter_id=last.adapter_id, adapter_digest=last.adapter_digest)
+                response.add(out)
+        return response.response()
 
     async def GenerateStream(self, request, context):
         async with aclosing(self._outputs(request, context, "GenerateStream")) as outs:
             async for out in outs:
-                msg = worker_pb2.GenerateStreamResponse(request_id=out.request_id, text=out.text,
-                                                        token_ids=out.token_ids)
-                if out.finish_reason is not None:
-                    msg.finish_reason = _FINISH[out.finish_reason]
-                    if out.usage is not None:
-                        msg.usage.CopyFrom(usage_to_pb(out.usage))
-                elif not out.text and not out.token_ids:
-                    continue
-                yield msg
+                msg = stream_message(out, self.token_text)
+                if msg is not None:
+                    yield msg
 
     async def GetWorkerInfo(self, request, context):
         e, c = self.engine, self.config
         return worker_pb2.WorkerInfo(
-            worker_id=c.resolved_worker_id, model=e.model.config.name, dtype=str(e.model.dtype).removeprefix("torch."),
-            device=str(e.model.device), max_loras=c.max_loras if self.adapters is not None else 0,
+            worker_id=c.resolved_worker_id,
+            model=e.model.config.name,
+            dtype=str(e.model.dtype).removeprefix("torch."),
+            device=str(e.model.device),
+            max_loras=c.max_loras if self.adapters is not None else 0,
             max_cpu_loras=c.max_cpu_loras if self.adapters is not None else 0,
             max_lora_rank=c.max_lora_rank if self.adapters is not None else 0,
-            max_num_seqs=e.config.max_num_seqs, max_model_len=e.config.max_model_len,
-            num_kv_blocks=e.config.num_blocks, block_size=e.config.block_size,
-            vocab_size=e.model.config.vocab_size, version=VERSION, num_waiting=e.num_waiting,
-            num_running=e.num_running)
+            max_num_seqs=e.config.max_num_seqs,
+            max_model_len=e.config.max_model_len,
+            num_kv_blocks=e.config.num_blocks,
+            block_size=e.config.block_size,
+            vocab_size=e.model.config.vocab_size,
+            version=VERSION,
+            num_waiting=e.num_waiting,
+            num_running=e.num_running,
+        )
 
-    async def _admin(self, context, call):
-        await self._authorize(context, self.config.admin_token)
-        try:
-            if self.adapters is None:
-                raise NoAdapterStore()
-            return await call(self.adapters)
-        except WorkerError as exc:
-            await context.abort(grpc_status_code(exc), str(exc))
+    def _adapters(self) -> AdapterAdmin:
+        if self.adapters is None:
+            raise NoAdapterStore()
+        return self.adapters
 
     async def LoadAdapter(self, request, context):
-        async def load(adapters):
-            tiers = {worker_pb2.ADAPTER_TIER_UNSPECIFIED: "gpu", worker_pb2.ADAPTER_TIER_GPU: "gpu",
-                     worker_pb2.ADAPTER_TIER_CPU: "cpu"}
-            if request.tier not in tiers:
-                raise InvalidRequest(f"tier must be ADAPTER_TIER_GPU or ADAPTER_TIER_CPU, got {request.tier}")
-            return await adapters.load_adapter(request.adapter_id, tiers[request.tier])
-
-        state = await self._admin(context, load)
+        adapters = self._adapters()
+        tiers = {
+            worker_pb2.ADAPTER_TIER_UNSPECIFIED: "gpu",
+            worker_pb2.ADAPTER_TIER_GPU: "gpu",
+            worker_pb2.ADAPTER_TIER_CPU: "cpu",
+        }
+        if request.tier not in tiers:
+            raise InvalidRequest(f"tier must be ADAPTER_TIER_GPU or ADAPTER_TIER_CPU, got {request.tier}")
+        state = await adapters.load_adapter(request.adapter_id, tiers[request.tier])
         return worker_pb2.LoadAdapterResponse(adapter=adapter_to_pb(state))
 
     async def UnloadAdapter(self, request, context):
-        unloaded = await self._admin(context, lambda a: a.unload_adapter(request.adapter_id))
+        unloaded = await self._adapters().unload_adapter(request.adapter_id)
         return worker_pb2.UnloadAdapterResponse(unloaded=bool(unloaded))
 
     async def PinAdapter(self, request, context):
-        state = await self._admin(context, lambda a: a.pin_adapter(request.adapter_id, request.pinned))
+        state = await self._adapters().pin_adapter(request.adapter_id, request.pinned)
         return worker_pb2.PinAdapterResponse(adapter=adapter_to_pb(state))
 
     async def ListAdapters(self, request, context):

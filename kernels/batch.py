@@ -72,8 +72,9 @@ class LoRABatch:
         self.work = {
             m: WorkList(m, max(1, max_work_items(max_tokens, max_loras, m)), device) for m in BLOCK_MS
         }
-        self.workspace = torch.empty(workspace_numel(max_tokens, max_slices, max_rank), dtype=torch.float32,
-                                     device=device)
+        self.workspace = torch.empty(
+            workspace_numel(max_tokens, max_slices, max_rank), dtype=torch.float32, device=device
+        )
 
     @classmethod
     def allocate(
@@ -129,17 +130,34 @@ class LoRABatch:
             self._build_work(work)
 
     def _prepare_triton(self, token_slots: torch.Tensor) -> None:
-        from kernels.batch_kernel import prepare_kernel
+        from loraserve.kernels.batch_kernel import prepare_kernel
 
         num_tokens = token_slots.numel()
         num_bins = max(16, 1 << self.max_loras.bit_length())  # >= max_loras + 1
         block = max(16, min(64, 4096 // num_bins))
         w1, w2 = (self.work[m] for m in BLOCK_MS)
         prepare_kernel[(1,)](
-            token_slots, num_tokens, self.max_loras, self.sorted_rows, self.slot_starts, self.slot_counts,
-            w1.slot, w1.start, w1.end, w1.count, max_work_items(num_tokens, self.max_loras, w1.block_m),
-            w2.slot, w2.start, w2.end, w2.count, max_work_items(num_tokens, self.max_loras, w2.block_m),
-            NUM_BINS=num_bins, BLOCK_T=block, BLOCK_W=block, BLOCK_M1=w1.block_m, BLOCK_M2=w2.block_m,
+            token_slots,
+            num_tokens,
+            self.max_loras,
+            self.sorted_rows,
+            self.slot_starts,
+            self.slot_counts,
+            w1.slot,
+            w1.start,
+            w1.end,
+            w1.count,
+            max_work_items(num_tokens, self.max_loras, w1.block_m),
+            w2.slot,
+            w2.start,
+            w2.end,
+            w2.count,
+            max_work_items(num_tokens, self.max_loras, w2.block_m),
+            NUM_BINS=num_bins,
+            BLOCK_T=block,
+            BLOCK_W=block,
+            BLOCK_M1=w1.block_m,
+            BLOCK_M2=w2.block_m,
             num_warps=8,
         )
 

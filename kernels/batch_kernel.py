@@ -13,9 +13,17 @@ import triton.language as tl
 
 @triton.jit
 def _build_work(
-    counts, starts, bins, max_loras, bound,
-    slot_ptr, start_ptr, end_ptr, count_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+    counts,
+    starts,
+    bins,
+    max_loras,
+    bound,
+    slot_ptr,
+    start_ptr,
+    end_ptr,
+    count_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     tiles = tl.where(bins < max_loras, (counts + BLOCK_M - 1) // BLOCK_M, 0)  # [NB]
     tiles_end = tl.cumsum(tiles, 0)  # [NB] inclusive
@@ -39,14 +47,26 @@ def _build_work(
 @triton.jit
 def prepare_kernel(
     slots_ptr,  # [T] int32, -1 = base model
-    num_tokens, max_loras,
+    num_tokens,
+    max_loras,
     sorted_rows_ptr,  # [T] out
     slot_starts_ptr,  # [L + 1] out
     slot_counts_ptr,  # [L] out
-    w1_slot, w1_start, w1_end, w1_count, w1_bound,  # work list of BLOCK_M1-row items
-    w2_slot, w2_start, w2_end, w2_count, w2_bound,  # work list of BLOCK_M2-row items
-    NUM_BINS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_M1: tl.constexpr, BLOCK_M2: tl.constexpr,
+    w1_slot,
+    w1_start,
+    w1_end,
+    w1_count,
+    w1_bound,  # work list of BLOCK_M1-row items
+    w2_slot,
+    w2_start,
+    w2_end,
+    w2_count,
+    w2_bound,  # work list of BLOCK_M2-row items
+    NUM_BINS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_M1: tl.constexpr,
+    BLOCK_M2: tl.constexpr,
 ):
     bins = tl.arange(0, NUM_BINS)
     offs_t = tl.arange(0, BLOCK_T)
@@ -74,7 +94,9 @@ def prepare_kernel(
         pos = tl.sum(onehot * running[None, :], 1) + within
         tl.store(sorted_rows_ptr + pos, ts, mask=ok)
         running += tl.sum(onehot, 0)
-    _build_work(counts, starts, bins, max_loras, w1_bound, w1_slot, w1_start, w1_end, w1_count,
-                BLOCK_M1, BLOCK_W)
-    _build_work(counts, starts, bins, max_loras, w2_bound, w2_slot, w2_start, w2_end, w2_count,
-                BLOCK_M2, BLOCK_W)
+    _build_work(
+        counts, starts, bins, max_loras, w1_bound, w1_slot, w1_start, w1_end, w1_count, BLOCK_M1, BLOCK_W
+    )
+    _build_work(
+        counts, starts, bins, max_loras, w2_bound, w2_slot, w2_start, w2_end, w2_count, BLOCK_M2, BLOCK_W
+    )

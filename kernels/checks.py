@@ -11,7 +11,7 @@ from itertools import pairwise
 
 import torch
 
-from kernels.batch import LoRABatch, _same_device
+from loraserve.kernels.batch import LoRABatch, _same_device
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -87,8 +87,13 @@ def check_s(name: str, s: object, shape: tuple[int, int, int], batch: LoRABatch)
 
 
 def check_expand_inputs(
-    lora_b: object, ranks: object, batch: object, slice_offsets: object, y: object,
-    num_slices: int, max_rank: int,
+    lora_b: object,
+    ranks: object,
+    batch: object,
+    slice_offsets: object,
+    y: object,
+    num_slices: int,
+    max_rank: int,
 ) -> list[int]:
     """lora_b [L, N, R] (y's dtype); ranks [L]; y [T, N]; slice_offsets S+1 ints. Returns the offsets."""
     batch = check_batch(batch)
@@ -128,7 +133,12 @@ def check_offsets(slice_offsets: object, num_slices: int, out_features: int) -> 
 
 
 def check_add_lora(
-    y: object, x: object, lora_a: object, lora_b: object, ranks: object, batch: object,
+    y: object,
+    x: object,
+    lora_a: object,
+    lora_b: object,
+    ranks: object,
+    batch: object,
     slice_offsets: object,
 ) -> tuple[int, int, int, list[int]]:
     """Both halves of add_lora; returns (T, S, R, offsets)."""
@@ -140,7 +150,9 @@ def check_add_lora(
     return num_tokens, num_slices, max_rank, offsets
 
 
-def check_shrink(x: object, lora_a: object, ranks: object, batch: object, out: object) -> tuple[int, int, int]:
+def check_shrink(
+    x: object, lora_a: object, ranks: object, batch: object, out: object
+) -> tuple[int, int, int]:
     """lora_shrink's arguments; out [S, T, R] fp32. Returns (T, S, R)."""
     num_tokens, num_slices, max_rank = check_shrink_inputs(x, lora_a, ranks, batch)
     assert isinstance(batch, LoRABatch)

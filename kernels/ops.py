@@ -13,9 +13,10 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
-from kernels.batch import LoRABatch
-from kernels.checks import check_add_lora, check_expand, check_shrink, check_slice_limit
+from loraserve.kernels import reference
+from loraserve.kernels.batch import LoRABatch
+from loraserve.kernels.checks import check_add_lora, check_expand, check_shrink, check_slice_limit
+from loraserve.kernels.launch_options import LaunchOptions
 
 BACKENDS = ("triton", "reference")
 
@@ -29,7 +30,7 @@ def _backend(t: object, backend: str | None) -> ModuleType:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if isinstance(t, torch.Tensor) and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before import")
-    from kernels import triton_ops
+    from loraserve.kernels import triton_ops
 
     return triton_ops
 
@@ -82,6 +83,7 @@ def add_lora(
     buffer: torch.Tensor | None = None,  # fp32 workspace; default batch.workspace
     *,
     backend: str | None = None,
+    options: LaunchOptions | None = None,  # Triton launch variants; default LaunchOptions()
 ) -> torch.Tensor:
     """Semantics: y[t, o_i:o_{i+1}] += (x[t] @ A[slot[t], i, :r].T) @ B[slot[t], o_i:o_{i+1}, :r].T.
 
@@ -91,4 +93,4 @@ def add_lora(
     _, num_slices, _, offsets = check_add_lora(y, x, lora_a, lora_b, ranks, batch, slice_offsets)
     if impl is not reference:
         check_slice_limit(num_slices, impl.MAX_SLICES)
-    return impl.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, buffer)
+    return impl.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, buffer, options=options)

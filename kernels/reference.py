@@ -12,7 +12,8 @@ from itertools import pairwise
 
 import torch
 
-from kernels.batch import LoRABatch
+from loraserve.kernels.batch import LoRABatch
+from loraserve.kernels.launch_options import LaunchOptions
 
 
 def lora_shrink(
@@ -49,10 +50,11 @@ def add_lora(
     batch: LoRABatch,
     slice_offsets: Sequence[int],
     buffer: torch.Tensor | None = None,
+    options: LaunchOptions | None = None,
 ) -> torch.Tensor:
     """Semantics: y[t, o_i:o_i+1] += (x[t] @ A[slot[t], i, :r].T) @ B[slot[t], o_i:o_i+1, :r].T.
 
-    `buffer` is accepted for the Triton signature and ignored: the intermediate is a freshly
+    `buffer` and `options` are accepted for the Triton signature and ignored: the intermediate is a freshly
     allocated [S, T, R] float32 tensor."""
     num_tokens = x.shape[0]
     _, num_slices, max_rank, _ = lora_a.shape
@@ -65,7 +67,10 @@ def add_lora(
 
 
 def _shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, ranks: list[int], rows_by_slot: dict[int, torch.Tensor],
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: list[int],
+    rows_by_slot: dict[int, torch.Tensor],
     out: torch.Tensor,
 ) -> None:
     for slot, rows in rows_by_slot.items():
@@ -78,8 +83,12 @@ def _shrink(
 
 
 def _expand(
-    s: torch.Tensor, lora_b: torch.Tensor, ranks: list[int], rows_by_slot: dict[int, torch.Tensor],
-    offsets: list[int], y: torch.Tensor,
+    s: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: list[int],
+    rows_by_slot: dict[int, torch.Tensor],
+    offsets: list[int],
+    y: torch.Tensor,
 ) -> None:
     for slot, rows in rows_by_slot.items():
         r = ranks[slot]

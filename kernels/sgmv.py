@@ -30,8 +30,17 @@ def split_for(num_work, col_tiles, in_features, target_items, max_split, BLOCK_K
 
 
 @triton.jit
-def item_rows(work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, ranks_ptr, w, offs_m, max_rank,
-              I64: tl.constexpr):
+def item_rows(
+    work_slot_ptr,
+    work_start_ptr,
+    work_end_ptr,
+    sorted_rows_ptr,
+    ranks_ptr,
+    w,
+    offs_m,
+    max_rank,
+    I64: tl.constexpr,
+):
     """Work item w: its slot, row ids (masked past the item's end) and the slot's rank."""
     slot = tl.load(work_slot_ptr + w)
     start = tl.load(work_start_ptr + w)
@@ -54,8 +63,11 @@ def sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT: tl.constexpr
     st = tl.zeros(s_mask.shape, dtype=tl.float32)
     if UNROLL:
         for kc in tl.static_range(MAX_SPLIT):
-            st += tl.load(s_base + kc * part_stride + rs[None, :], mask=s_mask & (rs[None, :] * 0 + kc < split),
-                          other=0.0)
+            st += tl.load(
+                s_base + kc * part_stride + rs[None, :],
+                mask=s_mask & (rs[None, :] * 0 + kc < split),
+                other=0.0,
+            )
     else:
         for kc in range(0, split):
             st += tl.load(s_base + kc * part_stride + rs[None, :], mask=s_mask, other=0.0)
@@ -88,13 +100,22 @@ def shrink_kernel(
     a_ptr,  # [L, S, R, K]
     ranks_ptr,  # [L] int32
     part_ptr,  # [split, S, T, R] fp32
-    work_slot_ptr, work_start_ptr, work_end_ptr, work_count_ptr,  # [W], [W], [W], [1] int32
+    work_slot_ptr,
+    work_start_ptr,
+    work_end_ptr,
+    work_count_ptr,  # [W], [W], [W], [1] int32
     sorted_rows_ptr,  # [T] int32
-    num_tokens, in_features, max_rank, num_slices,
+    num_tokens,
+    in_features,
+    max_rank,
+    num_slices,
     col_tiles,  # column tiles per work item
     col_tiles_per_slice,  # SLICE_ALIGNED: column tiles of one slice
-    target_items, max_split,  # split_for arguments
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    target_items,
+    max_split,  # split_for arguments
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     SLICE_ALIGNED: tl.constexpr,  # tiles within one slice (skippable past the rank) or over S*R
     IEEE: tl.constexpr,
     I64: tl.constexpr,  # some tensor has 2**31 elements or more: 64-bit offsets
@@ -116,8 +137,9 @@ def shrink_kernel(
         rem = item % items_per_work
         ct = rem // split
         kc = rem % split
-        slot, rows, row_ok, rank = item_rows(work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, ranks_ptr,
-                                             w, offs_m, max_rank, I64)
+        slot, rows, row_ok, rank = item_rows(
+            work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, ranks_ptr, w, offs_m, max_rank, I64
+        )
         if SLICE_ALIGNED:
             sl = ct // col_tiles_per_slice + offs_c * 0
             first_r = (ct % col_tiles_per_slice) * BLOCK_C
@@ -141,8 +163,11 @@ def shrink_kernel(
                 xt = tl.load(x_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 at = tl.load(a_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 acc += mma(xt, at, IEEE)
-            out = (part_ptr + ((kc * num_slices + sl[None, :]) * num_tokens + rows[:, None])
-                   * max_rank + rr[None, :])
+            out = (
+                part_ptr
+                + ((kc * num_slices + sl[None, :]) * num_tokens + rows[:, None]) * max_rank
+                + rr[None, :]
+            )
             tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -152,17 +177,33 @@ def expand_kernel(
     b_ptr,  # [L, N, R]
     ranks_ptr,  # [L] int32
     y_ptr,  # [T, N]
-    work_slot_ptr, work_start_ptr, work_end_ptr, work_count_ptr,  # [W], [W], [W], [1] int32
+    work_slot_ptr,
+    work_start_ptr,
+    work_end_ptr,
+    work_count_ptr,  # [W], [W], [W], [1] int32
     sorted_rows_ptr,  # [T] int32
-    num_tokens, out_features, max_rank, num_slices,
-    o1, o2, o3,  # slice offsets into N (past the last slice: out_features)
-    n0_tiles, n1_tiles, n2_tiles, n3_tiles,  # BLOCK_N tiles of each slice (0 past the last)
+    num_tokens,
+    out_features,
+    max_rank,
+    num_slices,
+    o1,
+    o2,
+    o3,  # slice offsets into N (past the last slice: out_features)
+    n0_tiles,
+    n1_tiles,
+    n2_tiles,
+    n3_tiles,  # BLOCK_N tiles of each slice (0 past the last)
     target_items,  # chunks get wider until (work items x chunks) is about this
-    col_tiles, in_features, shrink_target, max_split,  # the shrink's split_for arguments
+    col_tiles,
+    in_features,
+    shrink_target,
+    max_split,  # the shrink's split_for arguments
     SHRINK_BLOCK_K: tl.constexpr,
     MAX_SPLIT: tl.constexpr,  # >= any split the shrink picked
     MAX_CHUNK_TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     SINGLE_R: tl.constexpr,  # max_rank <= BLOCK_R: s is loaded once per item
     IEEE: tl.constexpr,
     I64: tl.constexpr,  # some tensor has 2**31 elements or more: 64-bit offsets
@@ -201,8 +242,9 @@ def expand_kernel(
         first_chunk = tl.where(sl == 0, 0, tl.where(sl == 1, t1, tl.where(sl == 2, t2, t3)))
         n_lo = lo + (j - first_chunk) * chunk_n
         n_hi = tl.minimum(n_lo + chunk_n, hi)
-        slot, rows, row_ok, rank = item_rows(work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, ranks_ptr,
-                                             w, offs_m, max_rank, I64)
+        slot, rows, row_ok, rank = item_rows(
+            work_slot_ptr, work_start_ptr, work_end_ptr, sorted_rows_ptr, ranks_ptr, w, offs_m, max_rank, I64
+        )
         b_slot = b_ptr + slot * out_features * max_rank
         s_base = part_ptr + (sl * num_tokens + rows[:, None]) * max_rank  # [BM, 1]
         y_rows = y_ptr + rows[:, None] * out_features  # [BM, 1]
@@ -233,7 +275,9 @@ def expand_kernel(
                         bt = load_b(b_slot, ns, offs_r, n_ok, rank, max_rank, B_VEC)
                     ns_next = ns + BLOCK_N
                     next_ok = ns_next < n_hi
-                    y_next = tl.load(y_rows + ns_next[None, :], mask=row_ok[:, None] & next_ok[None, :], other=0.0)
+                    y_next = tl.load(
+                        y_rows + ns_next[None, :], mask=row_ok[:, None] & next_ok[None, :], other=0.0
+                    )
                     acc = mma(st, bt, IEEE)
                     tl.store(y_rows + ns[None, :], (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
                     if PRELOAD:

@@ -19,8 +19,9 @@ from itertools import pairwise
 
 import torch
 
-from kernels.batch import MAX_SPLIT_K, LoRABatch, max_work_items
-from kernels.sgmv import expand_kernel, shrink_kernel
+from loraserve.kernels.batch import MAX_SPLIT_K, LoRABatch, max_work_items
+from loraserve.kernels.launch_options import LaunchOptions
+from loraserve.kernels.sgmv import expand_kernel, shrink_kernel
 
 MAX_SLICES = 4
 # Launch tunables (measured on an H200, see benchmarks/results/kernels.md).
@@ -42,18 +43,8 @@ PRELOAD_TILE_ELEMS = 8192
 SHRINK_SMEM_BYTES = 110 * 1024  # decode shrink pipeline stages fit in this: two programs per SM
 PREFILL_SHRINK_SMEM_BYTES = 160 * 1024
 SINGLE_RANK_TILE = 128  # buffers up to this rank keep the whole s row tile in registers
-# add_lora can launch its expand with programmatic dependent launch (Hopper and later): the
-# expand's programs start while the shrink runs, load their work items, B and y tiles, then wait
-# for the shrink's partial sums, so a decode step would pay one launch latency per module group
-# instead of two. Off until measured on a GPU (benchmarks/bench_kernels.py --sweep tries it);
-# the GPU tests check both settings.
-USE_PDL = False
-# B loads of whole 16-byte vectors along the rank (entries past a slot's rank zeroed in registers)
-# instead of element-wise rank masks, which keep the compiler to 2-byte loads.
-B_VECTOR_LOADS = True
+# 16-byte B vectors (LaunchOptions.b_vector_loads) up to this buffer rank.
 B_VECTOR_MAX_RANK = 64
-# Load each expand item's first B and y tiles before its s (None: only when launched with PDL).
-EXPAND_PRELOAD: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -103,8 +94,11 @@ def pdl_supported(device: torch.device) -> bool:
     from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra import cuda as tl_cuda
 
-    return (torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl_cuda, "gdc_wait")
-            and "launch_pdl" in CUDAOptions.__dataclass_fields__)
+    return (
+        torch.cuda.get_device_capability(device)[0] >= 9
+        and hasattr(tl_cuda, "gdc_wait")
+        and "launch_pdl" in CUDAOptions.__dataclass_fields__
+    )
 
 
 def block_m_for(num_tokens: int) -> int:
@@ -112,7 +106,12 @@ def block_m_for(num_tokens: int) -> int:
 
 
 def plan_shrink(
-    num_tokens: int, num_slices: int, max_rank: int, in_features: int, elem_size: int, max_split: int,
+    num_tokens: int,
+    num_slices: int,
+    max_rank: int,
+    in_features: int,
+    elem_size: int,
+    max_split: int,
     num_sms: int,
 ) -> ShrinkPlan:
     block_m = block_m_for(num_tokens)
@@ -134,11 +133,23 @@ def plan_shrink(
     stage_bytes = (block_m + block_c) * block_k * elem_size
     smem = SHRINK_SMEM_BYTES if block_m == 16 else PREFILL_SHRINK_SMEM_BYTES
     num_stages = max(1, min(4, smem // stage_bytes))
-    return ShrinkPlan(block_m, block_c, block_k, aligned, col_tiles, per_slice,
-                      SHRINK_TARGET_PER_SM * num_sms, max_split, num_warps, num_stages)
+    return ShrinkPlan(
+        block_m=block_m,
+        block_c=block_c,
+        block_k=block_k,
+        slice_aligned=aligned,
+        col_tiles=col_tiles,
+        col_tiles_per_slice=per_slice,
+        target_items=SHRINK_TARGET_PER_SM * num_sms,
+        max_split=max_split,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
-def plan_expand(num_tokens: int, max_rank: int, elem_size: int, preload: bool = False) -> ExpandPlan:
+def plan_expand(
+    num_tokens: int, max_rank: int, elem_size: int, *, preload: bool = False, b_vector_loads: bool = True
+) -> ExpandPlan:
     block_m = block_m_for(num_tokens)
     single_r = _pow2(max_rank) <= SINGLE_RANK_TILE
     block_r = max(16, _pow2(max_rank)) if single_r else 64
@@ -156,8 +167,18 @@ def plan_expand(num_tokens: int, max_rank: int, elem_size: int, preload: bool = 
         block_n //= 2
     # 16-byte B vectors where they fit the buffer rank; the wider single-rank tiles spill with them
     vec = 16 // elem_size
-    b_vec = vec if B_VECTOR_LOADS and max_rank % vec == 0 and max_rank <= B_VECTOR_MAX_RANK else 1
-    return ExpandPlan(block_m, block_n, block_r, tiles, single_r, num_warps, 3 if single_r else 1, preload, b_vec)
+    b_vec = vec if b_vector_loads and max_rank % vec == 0 and max_rank <= B_VECTOR_MAX_RANK else 1
+    return ExpandPlan(
+        block_m=block_m,
+        block_n=block_n,
+        block_r=block_r,
+        max_chunk_tiles=tiles,
+        single_r=single_r,
+        num_warps=num_warps,
+        num_stages=3 if single_r else 1,
+        preload=preload,
+        b_vec=b_vec,
+    )
 
 
 def _work(batch: LoRABatch, block_m: int) -> tuple[torch.Tensor, ...]:
@@ -166,8 +187,14 @@ def _work(batch: LoRABatch, block_m: int) -> tuple[torch.Tensor, ...]:
 
 
 def _launch_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, batch: LoRABatch, part: torch.Tensor,
-    plan: ShrinkPlan, num_sms: int, pdl: bool = False,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    batch: LoRABatch,
+    part: torch.Tensor,
+    plan: ShrinkPlan,
+    num_sms: int,
+    pdl: bool = False,
 ) -> None:
     num_tokens, in_features = x.shape
     _, num_slices, max_rank, _ = lora_a.shape
@@ -175,18 +202,44 @@ def _launch_shrink(
     items = max(work_items, plan.target_items) if plan.max_split > 1 else work_items
     grid = (max(1, min(items, num_sms * PROGRAMS_PER_SM)),)
     shrink_kernel[grid](
-        x, lora_a, ranks, part, *_work(batch, plan.block_m), batch.sorted_rows,
-        num_tokens, in_features, max_rank, num_slices, plan.col_tiles, plan.col_tiles_per_slice,
-        plan.target_items, plan.max_split,
-        BLOCK_M=plan.block_m, BLOCK_C=plan.block_c, BLOCK_K=plan.block_k, SLICE_ALIGNED=plan.slice_aligned,
-        IEEE=x.dtype == torch.float32, I64=_needs_i64(x, lora_a, part), LAUNCH_DEPENDENTS=pdl,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        x,
+        lora_a,
+        ranks,
+        part,
+        *_work(batch, plan.block_m),
+        batch.sorted_rows,
+        num_tokens,
+        in_features,
+        max_rank,
+        num_slices,
+        plan.col_tiles,
+        plan.col_tiles_per_slice,
+        plan.target_items,
+        plan.max_split,
+        BLOCK_M=plan.block_m,
+        BLOCK_C=plan.block_c,
+        BLOCK_K=plan.block_k,
+        SLICE_ALIGNED=plan.slice_aligned,
+        IEEE=x.dtype == torch.float32,
+        I64=_needs_i64(x, lora_a, part),
+        LAUNCH_DEPENDENTS=pdl,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
 
 
 def _launch_expand(
-    part: torch.Tensor, shrink: ShrinkPlan, in_features: int, lora_b: torch.Tensor, ranks: torch.Tensor,
-    batch: LoRABatch, offsets: list[int], y: torch.Tensor, plan: ExpandPlan, num_sms: int, pdl: bool = False,
+    part: torch.Tensor,
+    shrink: ShrinkPlan,
+    in_features: int,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    batch: LoRABatch,
+    offsets: list[int],
+    y: torch.Tensor,
+    plan: ExpandPlan,
+    num_sms: int,
+    pdl: bool = False,
 ) -> None:
     """pdl: launched right after our own shrink (never after an unknown producer of s or y)."""
     num_slices = len(offsets) - 1
@@ -199,14 +252,38 @@ def _launch_expand(
     items = max_work_items(num_tokens, batch.max_loras, plan.block_m) * n_tiles
     grid = (max(1, min(items, num_sms * PROGRAMS_PER_SM)),)
     expand_kernel[grid](
-        part, lora_b, ranks, y, *_work(batch, plan.block_m), batch.sorted_rows,
-        num_tokens, out_features, max_rank, num_slices, *o, *(tiles + [0] * pad),
-        EXPAND_TARGET_PER_SM * num_sms, shrink.col_tiles, in_features, shrink.target_items, shrink.max_split,
-        SHRINK_BLOCK_K=shrink.block_k, MAX_SPLIT=shrink.max_split, MAX_CHUNK_TILES=plan.max_chunk_tiles,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_R=plan.block_r,
-        SINGLE_R=plan.single_r, IEEE=y.dtype == torch.float32, I64=_needs_i64(part, lora_b, y),
-        B_VEC=plan.b_vec, PRELOAD=plan.preload, WAIT_PRIOR=pdl, num_warps=plan.num_warps,
-        num_stages=plan.num_stages, **({"launch_pdl": True} if pdl else {}),
+        part,
+        lora_b,
+        ranks,
+        y,
+        *_work(batch, plan.block_m),
+        batch.sorted_rows,
+        num_tokens,
+        out_features,
+        max_rank,
+        num_slices,
+        *o,
+        *(tiles + [0] * pad),
+        EXPAND_TARGET_PER_SM * num_sms,
+        shrink.col_tiles,
+        in_features,
+        shrink.target_items,
+        shrink.max_split,
+        SHRINK_BLOCK_K=shrink.block_k,
+        MAX_SPLIT=shrink.max_split,
+        MAX_CHUNK_TILES=plan.max_chunk_tiles,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_R=plan.block_r,
+        SINGLE_R=plan.single_r,
+        IEEE=y.dtype == torch.float32,
+        I64=_needs_i64(part, lora_b, y),
+        B_VEC=plan.b_vec,
+        PRELOAD=plan.preload,
+        WAIT_PRIOR=pdl,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -224,23 +301,45 @@ def lora_shrink(
 
 
 def lora_expand(
-    s: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor, batch: LoRABatch,
-    slice_offsets: Sequence[int], y: torch.Tensor,
+    s: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],
+    y: torch.Tensor,
 ) -> torch.Tensor:
     offsets = list(slice_offsets)
     if batch.num_tokens == 0:
         return y
     num_sms = _num_sms(y.device)
     # A one-chunk plan: the expand reads exactly one partial, s itself.
-    shrink = ShrinkPlan(16, 16, 16, True, 1, 1, 1, 1, 4, 1)
+    shrink = ShrinkPlan(
+        block_m=16,
+        block_c=16,
+        block_k=16,
+        slice_aligned=True,
+        col_tiles=1,
+        col_tiles_per_slice=1,
+        target_items=1,
+        max_split=1,
+        num_warps=4,
+        num_stages=1,
+    )
     plan = plan_expand(batch.num_tokens, s.shape[2], y.element_size())
     _launch_expand(s, shrink, 1, lora_b, ranks, batch, offsets, y, plan, num_sms)
     return y
 
 
 def add_lora(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
-    batch: LoRABatch, slice_offsets: Sequence[int], buffer: torch.Tensor | None = None,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],
+    buffer: torch.Tensor | None = None,
+    options: LaunchOptions | None = None,
 ) -> torch.Tensor:
     num_tokens = x.shape[0]
     _, num_slices, max_rank, _ = lora_a.shape
@@ -248,21 +347,30 @@ def add_lora(
     if num_tokens == 0:
         return y
     workspace = batch.workspace if buffer is None else buffer
-    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32 or \
-            not workspace.is_contiguous() or workspace.device != x.device:
+    if (
+        not isinstance(workspace, torch.Tensor)
+        or workspace.dtype != torch.float32
+        or not workspace.is_contiguous()
+        or workspace.device != x.device
+    ):
         raise ValueError("buffer must be a contiguous float32 tensor on the inputs' device")
     num_sms = _num_sms(x.device)
     per_split = num_slices * num_tokens * max_rank
     max_split = workspace.numel() // per_split
     if max_split < 1:
-        raise ValueError(f"workspace holds {workspace.numel()} floats, add_lora needs at least {per_split} "
-                         f"(allocate the batch with max_slices >= {num_slices}, max_rank >= {max_rank})")
+        raise ValueError(
+            f"workspace holds {workspace.numel()} floats, add_lora needs at least {per_split} "
+            f"(allocate the batch with max_slices >= {num_slices}, max_rank >= {max_rank})"
+        )
     shrink = plan_shrink(num_tokens, num_slices, max_rank, x.shape[1], x.element_size(), max_split, num_sms)
     part = workspace[: shrink.max_split * per_split]
-    pdl = USE_PDL and pdl_supported(x.device)
+    options = options if options is not None else LaunchOptions()
+    pdl = options.pdl and pdl_supported(x.device)
     _launch_shrink(x, lora_a, ranks, batch, part, shrink, num_sms, pdl)
-    preload = pdl if EXPAND_PRELOAD is None else EXPAND_PRELOAD
-    expand = plan_expand(num_tokens, max_rank, y.element_size(), preload)
+    preload = pdl if options.expand_preload is None else options.expand_preload
+    expand = plan_expand(
+        num_tokens, max_rank, y.element_size(), preload=preload, b_vector_loads=options.b_vector_loads
+    )
     _launch_expand(part, shrink, x.shape[1], lora_b, ranks, batch, offsets, y, expand, num_sms, pdl)
     return y
 

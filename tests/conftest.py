@@ -1,20 +1,16 @@
-"""Fixtures shared by every test package: the tiny base model, free ports, a Redis URL."""
+"""Fixtures shared by every test package: the tiny base model, a Redis URL, and the store fixtures
+(tests/helpers/store_fixtures.py) that the store, client and contract tests use."""
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
-from inference_worker.model.tiny import TinyLlamaSpec, write_tiny_llama
+from loraserve.inference_worker.model.tiny import TinyLlamaSpec, write_tiny_llama
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytest_plugins = ["tests.helpers.store_fixtures"]
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +27,7 @@ def redis_url() -> str:
         import redis
 
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means no server to test against
+    except Exception as exc:
         pytest.skip(f"no Redis server at {url}: {exc}")
     return url
 

@@ -6,7 +6,11 @@ from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc, worker_pb2, wor
 def test_store_service_methods() -> None:
     service = store_pb2.DESCRIPTOR.services_by_name["AdapterStore"]
     assert {m.name for m in service.methods} == {
-        "RegisterAdapter", "GetAdapter", "ListAdapters", "DeleteAdapter", "FetchAdapter",
+        "RegisterAdapter",
+        "GetAdapter",
+        "ListAdapters",
+        "DeleteAdapter",
+        "FetchAdapter",
     }
     assert service.methods_by_name["FetchAdapter"].server_streaming
     assert hasattr(store_pb2_grpc, "AdapterStoreStub")
@@ -15,8 +19,13 @@ def test_store_service_methods() -> None:
 def test_worker_service_methods() -> None:
     service = worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"]
     assert {m.name for m in service.methods} == {
-        "Generate", "GenerateStream", "LoadAdapter", "UnloadAdapter", "PinAdapter",
-        "ListAdapters", "GetWorkerInfo",
+        "Generate",
+        "GenerateStream",
+        "LoadAdapter",
+        "UnloadAdapter",
+        "PinAdapter",
+        "ListAdapters",
+        "GetWorkerInfo",
     }
     assert service.methods_by_name["GenerateStream"].server_streaming
     assert hasattr(worker_pb2_grpc, "InferenceWorkerStub")

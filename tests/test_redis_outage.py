@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,47 +14,22 @@ from pathlib import Path
 import grpc
 import pytest
 
-from adapter_store.config import StoreConfig
-from adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
-from adapter_store.server import BackgroundStore
-from clients.store_client import StoreClient
-from clients.worker_client import WorkerClient
-from inference_worker.config import WorkerConfig
-from inference_worker.server import BackgroundWorker
-from tests.conftest import free_port
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
+from loraserve.adapter_store.server import BackgroundStore
+from loraserve.clients.store_client import StoreClient
+from loraserve.clients.worker_client import WorkerClient
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.server import BackgroundWorker
+from tests.helpers.ports import free_port
+from tests.helpers.private_redis import PrivateRedis
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server binary")]
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server binary"),
+]
 PROMPT = [7, 21, 63, 189, 11]
-
-
-class PrivateRedis:
-    """A real redis-server of our own, so that it can be stopped without touching anyone else's."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port, self.dir, self.proc = free_port(), directory, None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "yes", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping()
-                return
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
 
 
 def _wait(predicate, timeout: float = 20.0, what: str = "condition") -> None:
@@ -66,21 +40,45 @@ def _wait(predicate, timeout: float = 20.0, what: str = "condition") -> None:
 
 
 @pytest.fixture
-def system(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[PrivateRedis, BackgroundStore, BackgroundWorker, str]]:
+def system(
+    tiny_model_dir: Path, tmp_path: Path
+) -> Iterator[tuple[PrivateRedis, BackgroundStore, BackgroundWorker, str]]:
     server = PrivateRedis(tmp_path)  # a private server, stopped at the end: no keys to clean up
     server.start()
     prefix = "loraserve-outage:"
     write_demo_adapters(tmp_path / "adapters", tiny_model_dir)
-    store = BackgroundStore(StoreConfig(base_model=str(tiny_model_dir), port=0, data_dir=str(tmp_path / "store"),
-                                        adapter_root=str(tmp_path / "adapters"), serving_dtype="float32",
-                                        redis_url=server.url, redis_prefix=prefix, log_level="WARNING"))
+    store = BackgroundStore(
+        StoreConfig(
+            base_model=str(tiny_model_dir),
+            port=0,
+            data_dir=str(tmp_path / "store"),
+            adapter_root=str(tmp_path / "adapters"),
+            serving_dtype="float32",
+            redis_url=server.url,
+            redis_prefix=prefix,
+            log_level="WARNING",
+        )
+    )
     worker_port = free_port()
-    worker = BackgroundWorker(WorkerConfig(model=str(tiny_model_dir), port=worker_port, device="cpu",
-                                           dtype="float32", store_address=store.address, redis_url=server.url,
-                                           redis_prefix=prefix, worker_id="w-outage", max_loras=2,
-                                           max_cpu_loras=4, num_kv_blocks=128, max_num_seqs=8,
-                                           advertise_address=f"127.0.0.1:{worker_port}",
-                                           adapter_poll_interval_s=0.1, log_level="WARNING"))
+    worker = BackgroundWorker(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            port=worker_port,
+            device="cpu",
+            dtype="float32",
+            store_address=store.address,
+            redis_url=server.url,
+            redis_prefix=prefix,
+            worker_id="w-outage",
+            max_loras=2,
+            max_cpu_loras=4,
+            num_kv_blocks=128,
+            max_num_seqs=8,
+            advertise_address=f"127.0.0.1:{worker_port}",
+            adapter_poll_interval_s=0.1,
+            log_level="WARNING",
+        )
+    )
     try:
         yield server, store, worker, prefix
     finally:
@@ -123,7 +121,10 @@ def test_services_ride_out_a_redis_outage(system) -> None:
     r = redis.Redis.from_url(server.url, decode_responses=True)
     _wait(lambda: r.get(prefix + "worker:w-outage") is not None, what="heartbeat after reconnect")
     assert json.loads(r.get(prefix + "worker:w-outage"))["address"] == worker.address
-    _wait(lambda: set(r.hkeys(prefix + "residency:w-outage")) == {other}, what="residency republished as it is now")
+    _wait(
+        lambda: set(r.hkeys(prefix + "residency:w-outage")) == {other},
+        what="residency republished as it is now",
+    )
     with StoreClient(store.address) as s:
         assert s.register(late, late).adapter_id == late
     with WorkerClient(worker.address, timeout=60) as w:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from adapter_store.config import StoreConfig
-from adapter_store.demo import DemoAdapterSpec, write_demo_adapters
-from adapter_store.server import BackgroundStore
-from clients.store_client import AsyncStoreClient, StoreClient
-from clients.worker_client import WorkerClient
-from inference_worker.config import WorkerConfig
-from inference_worker.server import BackgroundWorker
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.demo import DemoAdapterSpec, write_demo_adapters
+from loraserve.adapter_store.server import BackgroundStore
+from loraserve.clients.store_client import AsyncStoreClient, StoreClient
+from loraserve.clients.worker_client import WorkerClient
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.server import BackgroundWorker
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 NUM_ADAPTERS = 1000
@@ -31,8 +31,12 @@ def fleet(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPat
 
     root = tmp_path_factory.mktemp("many")
     # 16 distinct checkpoints; the other ids reuse them by copy (distinct ids, distinct registrations)
-    specs = tuple(DemoAdapterSpec(f"base-{i}", r=2 + i % 4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
-                                  seed=100 + i) for i in range(16))
+    specs = tuple(
+        DemoAdapterSpec(
+            f"base-{i}", r=2 + i % 4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=100 + i
+        )
+        for i in range(16)
+    )
     write_demo_adapters(root, tiny_model_dir, specs)
     for n in range(NUM_ADAPTERS):
         src = root / f"base-{n % 16}"
@@ -41,13 +45,34 @@ def fleet(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPat
         for f in src.iterdir():
             shutil.copyfile(f, dst / f.name)
     prefix = f"loraserve-test-{uuid.uuid4().hex[:8]}:"
-    store = BackgroundStore(StoreConfig(base_model=str(tiny_model_dir), port=0, adapter_root=str(root),
-                                        data_dir=str(tmp_path_factory.mktemp("many-store")), serving_dtype="float32",
-                                        redis_url=redis_url, redis_prefix=prefix, cache_max_adapters=64,
-                                        max_pending_registrations=64, log_level="WARNING"))
-    worker = BackgroundWorker(WorkerConfig(model=str(tiny_model_dir), port=0, device="cpu", dtype="float32",
-                                           store_address=store.address, max_loras=4, max_cpu_loras=8,
-                                           max_num_seqs=16, num_kv_blocks=256, log_level="WARNING"))
+    store = BackgroundStore(
+        StoreConfig(
+            base_model=str(tiny_model_dir),
+            port=0,
+            adapter_root=str(root),
+            data_dir=str(tmp_path_factory.mktemp("many-store")),
+            serving_dtype="float32",
+            redis_url=redis_url,
+            redis_prefix=prefix,
+            cache_max_adapters=64,
+            max_pending_registrations=64,
+            log_level="WARNING",
+        )
+    )
+    worker = BackgroundWorker(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            port=0,
+            device="cpu",
+            dtype="float32",
+            store_address=store.address,
+            max_loras=4,
+            max_cpu_loras=8,
+            max_num_seqs=16,
+            num_kv_blocks=256,
+            log_level="WARNING",
+        )
+    )
     yield store, worker
     worker.stop()
     store.stop()

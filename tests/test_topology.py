@@ -17,11 +17,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
-from clients.router import WorkerRouter, discover_workers
-from clients.store_client import StoreClient
-from clients.worker_client import WorkerClient
-from tests.conftest import free_port
+from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
+from loraserve.clients.router import WorkerRouter, discover_workers
+from loraserve.clients.store_client import StoreClient
+from loraserve.clients.worker_client import WorkerClient
+from tests.helpers.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.s3]
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -36,7 +36,10 @@ def _wait_serving(address: str, proc: subprocess.Popen, timeout: float = 90.0) -
             if proc.poll() is not None:
                 raise RuntimeError(f"process for {address} exited with {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -45,12 +48,18 @@ def _wait_serving(address: str, proc: subprocess.Popen, timeout: float = 90.0) -
 
 
 def _cli(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "clients.cli", *args], env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "loraserve.cli", *args],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 @pytest.fixture(scope="module")
-def topology(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def topology(
+    tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict]:
     import boto3
     import redis
     from moto.server import ThreadedMotoServer
@@ -60,36 +69,91 @@ def topology(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.Temp
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port, verbose=False)
     moto.start()
     endpoint = f"http://127.0.0.1:{s3_port}"
-    s3 = boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in AWS.items()
-                                                      if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        **{k.lower(): v for k, v in AWS.items() if k != "AWS_DEFAULT_REGION"},
+        region_name="us-east-1",
+    )
     s3.create_bucket(Bucket="adapters")
     for name, directory in write_demo_adapters(tmp / "demo", tiny_model_dir).items():
         for f in ("adapter_config.json", "adapter_model.safetensors"):
             s3.upload_file(str(directory / f), "adapters", f"{name}/{f}")
 
     prefix = f"loraserve-test-{uuid.uuid4().hex[:8]}:"
-    env = {**os.environ, **AWS, "LORASERVE_REDIS_URL": redis_url, "LORASERVE_REDIS_PREFIX": prefix,
-           "LORASERVE_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        **AWS,
+        "LORASERVE_REDIS_URL": redis_url,
+        "LORASERVE_REDIS_PREFIX": prefix,
+        "LORASERVE_LOG_LEVEL": "WARNING",
+        "PYTHONUNBUFFERED": "1",
+    }
     procs: list[subprocess.Popen] = []
     store_addr = f"127.0.0.1:{free_port()}"
-    procs.append(_cli("store", "--port", store_addr.rsplit(":", 1)[1], "--base-model", str(tiny_model_dir),
-                      "--data-dir", str(tmp / "store"), "--serving-dtype", "float32",
-                      "--s3-endpoint-url", endpoint, env=env, log=tmp / "store.log"))
+    procs.append(
+        _cli(
+            "store",
+            "--port",
+            store_addr.rsplit(":", 1)[1],
+            "--base-model",
+            str(tiny_model_dir),
+            "--data-dir",
+            str(tmp / "store"),
+            "--serving-dtype",
+            "float32",
+            "--s3-endpoint-url",
+            endpoint,
+            env=env,
+            log=tmp / "store.log",
+        )
+    )
     workers = []
     for i in range(2):
         port = free_port()
         workers.append(f"127.0.0.1:{port}")
-        procs.append(_cli("worker", "--model", str(tiny_model_dir), "--port", str(port), "--device", "cpu",
-                          "--dtype", "float32", "--store-address", store_addr, "--worker-id", f"w{i}",
-                          "--advertise-address", f"127.0.0.1:{port}", "--max-loras", "2",
-                          "--max-cpu-loras", "3", "--num-kv-blocks", "128", "--max-num-seqs", "8",
-                          env=env, log=tmp / f"worker{i}.log"))
+        procs.append(
+            _cli(
+                "worker",
+                "--model",
+                str(tiny_model_dir),
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--store-address",
+                store_addr,
+                "--worker-id",
+                f"w{i}",
+                "--advertise-address",
+                f"127.0.0.1:{port}",
+                "--max-loras",
+                "2",
+                "--max-cpu-loras",
+                "3",
+                "--num-kv-blocks",
+                "128",
+                "--max-num-seqs",
+                "8",
+                env=env,
+                log=tmp / f"worker{i}.log",
+            )
+        )
     try:
         _wait_serving(store_addr, procs[0])
         for addr, proc in zip(workers, procs[1:], strict=True):
             _wait_serving(addr, proc)
-        yield {"store": store_addr, "workers": workers, "procs": procs, "env": env, "prefix": prefix,
-               "redis": redis.Redis.from_url(redis_url), "logs": tmp}
+        yield {
+            "store": store_addr,
+            "workers": workers,
+            "procs": procs,
+            "env": env,
+            "prefix": prefix,
+            "redis": redis.Redis.from_url(redis_url),
+            "logs": tmp,
+        }
     finally:
         for p in procs:
             if p.poll() is None:
@@ -108,9 +172,22 @@ def topology(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.Temp
 
 def test_register_from_s3_with_the_cli(topology: dict) -> None:
     for spec in DEMO_ADAPTERS:
-        res = subprocess.run([sys.executable, "-m", "clients.cli", "register", spec.name,
-                              f"s3://adapters/{spec.name}", "--store", topology["store"]],
-                             env=topology["env"], capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "loraserve.cli",
+                "register",
+                spec.name,
+                f"s3://adapters/{spec.name}",
+                "--store",
+                topology["store"],
+            ],
+            env=topology["env"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         assert spec.name in res.stdout
     with StoreClient(topology["store"]) as c:
@@ -129,7 +206,7 @@ def test_workers_agree_and_share_state_in_redis(topology: dict) -> None:
     assert base.token_ids != outs[0].token_ids  # the adapter changes the function
     r, prefix = topology["redis"], topology["prefix"]
     assert {m.decode() for m in r.smembers(prefix + "workers")} >= {"w0", "w1"}
-    # residency is published by each worker's background watcher, a poll interval after the load
+    # residency is published by each worker's coordinator sync thread, a poll interval after the load
     deadline = time.monotonic() + 15
     while not all(name.encode() in r.hkeys(prefix + f"residency:w{i}") for i in range(2)):
         assert time.monotonic() < deadline, {i: r.hkeys(prefix + f"residency:w{i}") for i in range(2)}
@@ -145,16 +222,34 @@ def test_router_spreads_and_serves(topology: dict, redis_url: str) -> None:
 
 
 def test_generate_cli_routes_across_the_fleet(topology: dict, redis_url: str, capsys) -> None:
-    from clients.worker_cli import generate_main
+    from loraserve.clients.worker_cli import generate_main
 
     name = DEMO_ADAPTERS[0].name
     with WorkerClient(topology["workers"][0], timeout=60) as w:
         expected = w.generate("Hello world", adapter_id=name, max_tokens=6).text
-    assert generate_main(["--redis-url", redis_url, "--redis-prefix", topology["prefix"], "--adapter", name,
-                          "--max-tokens", "6", "Hello world"]) == 0
+    assert (
+        generate_main(
+            [
+                "--redis-url",
+                redis_url,
+                "--redis-prefix",
+                topology["prefix"],
+                "--adapter",
+                name,
+                "--max-tokens",
+                "6",
+                "Hello world",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == expected + "\n"
-    assert generate_main(["--worker", ",".join(topology["workers"]), "--adapter", name, "--max-tokens", "6",
-                          "Hello world"]) == 0
+    assert (
+        generate_main(
+            ["--worker", ",".join(topology["workers"]), "--adapter", name, "--max-tokens", "6", "Hello world"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == expected + "\n"
     assert generate_main(["--redis-url", redis_url, "--redis-prefix", "no-such-fleet:", "hi"]) == 1
     assert "no live worker" in capsys.readouterr().err

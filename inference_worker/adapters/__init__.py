@@ -1,9 +1,11 @@
-"""Adapters in the worker: the GPU slot and pinned CPU tiers, single-flight fetches from the
-store, pins, invalidation, and the admission policy the engine consults. The store client
-(`store_source.StoreSource`) is imported where used: it needs the gRPC stubs."""
+"""Adapters in the worker: reference parsing (`refs`), fetches from the store (`store_source`,
+`fetcher`), the GPU slot and pinned CPU tiers (`tiers`), versions and invalidation (`versions`),
+residency publishing (`residency`, `coordinator_sync`), all under one lock in `pool`; the engine and
+the service reach them through `WorkerAdapters`."""
 
-from inference_worker.adapters.manager import AdapterManager, parse_ref
-from inference_worker.adapters.metrics import AdapterMetrics
-from inference_worker.adapters.worker_adapters import WorkerAdapters
+from loraserve.inference_worker.adapters.metrics import AdapterMetrics
+from loraserve.inference_worker.adapters.pool import AdapterPool
+from loraserve.inference_worker.adapters.refs import AdapterRef
+from loraserve.inference_worker.adapters.worker_adapters import WorkerAdapters
 
-__all__ = ["AdapterManager", "AdapterMetrics", "WorkerAdapters", "parse_ref"]
+__all__ = ["AdapterMetrics", "AdapterPool", "AdapterRef", "WorkerAdapters"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from inference_worker.lora.payload import AdapterPayload
+from loraserve.inference_worker.lora.payload import AdapterPayload
 
 
 class CpuCache:
@@ -39,8 +39,10 @@ class CpuCache:
         """Insert (as most recently used) and evict LRU entries past the budgets; returns the keys
         evicted. A payload larger than the whole byte budget is refused with ValueError."""
         if payload.nbytes > self.max_bytes:
-            raise ValueError(f"adapter {payload.adapter_id} needs {payload.nbytes} bytes, over the CPU "
-                             f"cache budget of {self.max_bytes}")
+            raise ValueError(
+                f"adapter {payload.adapter_id} needs {payload.nbytes} bytes, over the CPU "
+                f"cache budget of {self.max_bytes}"
+            )
         self.remove(payload.key)
         self._entries[payload.key] = payload
         self.nbytes += payload.nbytes

@@ -12,34 +12,65 @@ class AdapterMetrics:
         reg = registry if registry is not None else CollectorRegistry()
         self.registry = reg
         self.loads = Counter(
-            "loraserve_worker_adapter_loads", "Adapter loads: tier=cpu is a fetch from the store into the "
+            "loraserve_worker_adapter_loads",
+            "Adapter loads: tier=cpu is a fetch from the store into the "
             "CPU cache, tier=gpu a copy into a GPU slot; result is ok or the failure's status code.",
-            ["tier", "result"], registry=reg)
+            ["tier", "result"],
+            registry=reg,
+        )
         self.load_seconds = Histogram(
-            "loraserve_worker_adapter_load_seconds", "Adapter load latency by tier.", ["tier"],
-            buckets=LOAD_BUCKETS, registry=reg)
+            "loraserve_worker_adapter_load_seconds",
+            "Adapter load latency by tier.",
+            ["tier"],
+            buckets=LOAD_BUCKETS,
+            registry=reg,
+        )
         self.evictions = Counter(
-            "loraserve_worker_adapter_evictions", "Adapters evicted from a tier to make room.", ["tier"],
-            registry=reg)
+            "loraserve_worker_adapter_evictions",
+            "Adapters evicted from a tier to make room.",
+            ["tier"],
+            registry=reg,
+        )
         self.invalidations = Counter(
-            "loraserve_worker_adapter_invalidations", "Adapter versions dropped because the store "
-            "re-registered or deleted them.", registry=reg)
+            "loraserve_worker_adapter_invalidations",
+            "Adapter versions dropped because the store re-registered or deleted them.",
+            registry=reg,
+        )
         self.lookups = Counter(
-            "loraserve_worker_adapter_lookups", "Admission lookups by where the adapter was found "
-            "(gpu, cpu, miss).", ["result"], registry=reg)
-        self.slots_used = Gauge("loraserve_worker_adapter_slots_used", "GPU adapter slots holding an adapter.",
-                                registry=reg)
-        self.slots_total = Gauge("loraserve_worker_adapter_slots", "GPU adapter slots (max_loras).", registry=reg)
-        self.slots_pinned = Gauge("loraserve_worker_adapter_slots_pinned", "GPU adapter slots pinned.",
-                                  registry=reg)
-        self.cpu_adapters = Gauge("loraserve_worker_adapter_cpu_cached", "Adapters in the CPU cache.",
-                                  registry=reg)
-        self.cpu_bytes = Gauge("loraserve_worker_adapter_cpu_cache_bytes", "Bytes of the CPU cache.",
-                               registry=reg)
+            "loraserve_worker_adapter_lookups",
+            "Admission lookups by where the adapter was found (gpu, cpu, miss).",
+            ["result"],
+            registry=reg,
+        )
+        self.slots_used = Gauge(
+            "loraserve_worker_adapter_slots_used", "GPU adapter slots holding an adapter.", registry=reg
+        )
+        self.slots_total = Gauge(
+            "loraserve_worker_adapter_slots", "GPU adapter slots (max_loras).", registry=reg
+        )
+        self.slots_pinned = Gauge(
+            "loraserve_worker_adapter_slots_pinned", "GPU adapter slots pinned.", registry=reg
+        )
+        self.cpu_adapters = Gauge(
+            "loraserve_worker_adapter_cpu_cached", "Adapters in the CPU cache.", registry=reg
+        )
+        self.cpu_bytes = Gauge(
+            "loraserve_worker_adapter_cpu_cache_bytes", "Bytes of the CPU cache.", registry=reg
+        )
 
     def register_on(self, registry: CollectorRegistry) -> None:
-        for c in (self.loads, self.load_seconds, self.evictions, self.invalidations, self.lookups,
-                  self.slots_used, self.slots_total, self.slots_pinned, self.cpu_adapters, self.cpu_bytes):
+        for c in (
+            self.loads,
+            self.load_seconds,
+            self.evictions,
+            self.invalidations,
+            self.lookups,
+            self.slots_used,
+            self.slots_total,
+            self.slots_pinned,
+            self.cpu_adapters,
+            self.cpu_bytes,
+        ):
             registry.register(c)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:

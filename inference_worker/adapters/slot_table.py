@@ -51,8 +51,9 @@ class SlotTable:
         idle = [s for s in self.slots if s.running == 0 and not self.is_pinned(s)]
         return min(idle, key=lambda s: s.last_tick) if idle else None
 
-    def assign(self, s: SlotState, key: str, adapter_id: str, digest: str, rank: int, size_bytes: int,
-               tick: int) -> None:
+    def assign(
+        self, s: SlotState, key: str, adapter_id: str, digest: str, rank: int, size_bytes: int, tick: int
+    ) -> None:
         self.release_slot(s)
         s.key, s.adapter_id, s.digest, s.rank, s.size_bytes = key, adapter_id, digest, rank, size_bytes
         s.running, s.last_tick, s.stale = 0, tick, False

@@ -1,103 +1,122 @@
-"""The engine's adapter seam (engine/adapter_hooks.py AdapterManager) backed by the LoRA slots and
-the adapter manager: admission, the per-step LoRA batch, and the admin operations of the service.
+"""`WorkerAdapters`: the worker's adapters as the engine and the service see them — the engine's
+seam (`EngineAdapters`: admission and the per-step LoRA batch) and the admin RPCs (`AdapterAdmin`)
+over one `AdapterPool`, plus the background work that keeps it in step with the cluster.
 
 Admission (vLLM's max_loras rule): a sequence is admitted only when its adapter is in a GPU slot,
 or a slot can be filled this step from the CPU tier without evicting an adapter that a running
 sequence uses. Otherwise `can_admit` answers False at once — a miss in both tiers starts one fetch
 on the event loop — and the scheduler keeps scanning the queue, so base requests and requests for
-resident adapters never wait behind a cold one.
+resident adapters never wait behind a cold one. Nothing here waits on the network on the step
+thread: the coordinator is reached only from `CoordinatorSync`'s thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
+from prometheus_client import CollectorRegistry
 
-from inference_worker.adapters.manager import AdapterManager, AdapterSource, parse_ref
-from inference_worker.adapters.metrics import AdapterMetrics
-from inference_worker.adapters.watcher import Watcher
-from inference_worker.coordination import Coordinator
-from inference_worker.engine.adapter_hooks import AdapterState
-from inference_worker.engine.sequence import Sequence
-from inference_worker.errors import WorkerError
-from inference_worker.lora.layer import LoRALayer
-from inference_worker.lora.slots import LoRASlots
-from inference_worker.model.forward_batch import ForwardBatch
-from kernels import LoRABatch
+from loraserve.inference_worker.adapters.coordinator_sync import CoordinatorSync
+from loraserve.inference_worker.adapters.pool import AdapterPool
+from loraserve.inference_worker.adapters.refs import AdapterRef
+from loraserve.inference_worker.adapters.store_check import StoreCheck
+from loraserve.inference_worker.coordination import Coordinator, InvalidationEvent
+from loraserve.inference_worker.engine.adapter_hooks import AdapterState
+from loraserve.inference_worker.engine.sequence import Sequence
+from loraserve.inference_worker.errors import WorkerError
+from loraserve.inference_worker.lora.layer import LoRALayer
+from loraserve.inference_worker.lora.slots import LoRASlots
+from loraserve.inference_worker.model.llama import LlamaModel
+from loraserve.kernels import LaunchOptions, LoRABatch
 
 
 class WorkerAdapters:
-    # The LoRA batch lives in static buffers and its prepare() is sync-free: decode steps with
-    # adapter rows can replay CUDA graphs captured with the LoRA path in them.
-    supports_cuda_graphs = True
+    def __init__(
+        self,
+        pool: AdapterPool,
+        coordinator: Coordinator,
+        *,
+        max_tokens: int,
+        list_digests: Callable[[], Awaitable[dict[str, str]]] | None = None,
+        interval_s: float = 2.0,
+        address: str = "",
+    ) -> None:
+        self.pool, self.coordinator = pool, coordinator
+        slots = pool.slots
+        # static buffers, prepared by sync-free ops: decode CUDA graphs capture the LoRA path
+        self._lora_batch = LoRABatch.allocate(
+            max_tokens, slots.max_loras, slots.device, max_slices=3, max_rank=slots.max_rank
+        )
+        self.sync = CoordinatorSync(
+            coordinator,
+            apply=self._apply_invalidation,
+            flush_residency=pool.publisher.flush,
+            heartbeat_info=self._load_info,
+            worker_id=pool.worker_id,
+            address=address,
+            interval_s=interval_s,
+        )
+        self.store_check = (
+            StoreCheck(list_digests, pool.known_digests, self.sync.publish_invalidation, interval_s)
+            if list_digests is not None
+            else None
+        )
 
-    def __init__(self, slots: LoRASlots, manager: AdapterManager, *, max_tokens: int,
-                 list_digests: Callable | None = None, poll_interval_s: float = 2.0, address: str = "") -> None:
-        self.slots, self.manager = slots, manager
-        self.lora_batch = LoRABatch.allocate(max_tokens, slots.max_loras, slots.device, max_slices=3,
-                                             max_rank=slots.max_rank)
-        self.watcher = Watcher(manager, list_digests=list_digests, interval_s=poll_interval_s, address=address)
-        self._attached = False
-
-    @classmethod
-    def create(cls, hf_config: dict, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-               max_cpu_bytes: int, dtype: torch.dtype, device: torch.device | str, max_tokens: int,
-               source: AdapterSource | None, coordinator: Coordinator | None = None, worker_id: str = "worker",
-               metrics: AdapterMetrics | None = None, poll_interval_s: float = 2.0,
-               address: str = "") -> WorkerAdapters:
-        slots = LoRASlots(hf_config, max_loras, max_lora_rank, dtype, device)
-        manager = AdapterManager(slots, source, max_cpu_loras=max_cpu_loras, max_cpu_bytes=max_cpu_bytes,
-                                 coordinator=coordinator, worker_id=worker_id, metrics=metrics)
-        list_digests = getattr(source, "digests", None)
-        return cls(slots, manager, max_tokens=max_tokens, list_digests=list_digests,
-                   poll_interval_s=poll_interval_s, address=address)
-
-    # ------------------------------------------------------------------ wiring
-    def attach_model(self, model: object) -> int:
-        """Attach a LoRALayer to every grouped projection ({(layer, group): GroupedLinear})."""
-        linears = model.grouped_linears()  # type: ignore[attr-defined]
-        for (layer, group), module in linears.items():
-            module.lora = LoRALayer(self.slots, layer, group)
-        expected = self.slots.num_layers * len(self.slots.out_sizes)
+    def attach_to(self, model: LlamaModel, options: LaunchOptions) -> None:
+        """A LoRALayer on every grouped projection of `model`, launching with `options`."""
+        slots: LoRASlots = self.pool.slots
+        linears = model.grouped_linears()
+        expected = slots.num_layers * len(slots.out_sizes)
         if len(linears) != expected:
             raise ValueError(f"the model has {len(linears)} grouped projections, the slots expect {expected}")
-        self._attached = True
-        return len(linears)
+        for (layer, group), module in linears.items():
+            module.lora = LoRALayer(slots, layer, group, options)
 
-    def register_metrics(self, registry) -> None:
-        """Expose the adapter metrics on the worker's Prometheus registry too."""
-        self.manager.metrics.register_on(registry)
-
-    def attach(self, engine: object, loop: object) -> None:
-        if not self._attached:
-            self.attach_model(engine.model)  # type: ignore[attr-defined]
-        assert isinstance(loop, asyncio.AbstractEventLoop)
-        self.manager.bind_loop(loop)
-        wake = getattr(engine, "wake", None)
-        if callable(wake):
-            self.manager.add_listener(wake)
-        loop.call_soon_threadsafe(self.watcher.start)
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop, on_fetched: Callable[[], None]) -> None:
+        """Fetches and the store check run on `loop`; `on_fetched` wakes the engine when a fetch ends."""
+        self.pool.fetcher.start(loop, on_fetched)
+        self.sync.start()
+        if self.store_check is not None:
+            self.store_check.start(loop)
 
     async def close(self) -> None:
-        await self.watcher.stop()
-        source = self.manager.source
-        close = getattr(source, "close", None)
+        if self.store_check is not None:
+            await self.store_check.stop()
+        await asyncio.to_thread(self.sync.stop)
+        close = getattr(self.pool.fetcher.source, "close", None)
         if close is not None:
             await close()
 
-    # ------------------------------------------------------------------ admission (engine thread)
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        self.pool.metrics.register_on(registry)
+
+    def _apply_invalidation(self, event: InvalidationEvent) -> None:
+        self.pool.apply_invalidation(event.adapter_id, event.digest)
+
+    def _load_info(self) -> dict[str, float | int | str]:
+        with self.pool.lock:
+            tiers = self.pool.tiers
+            return {
+                "max_loras": self.pool.slots.max_loras,
+                "slots_used": tiers.table.num_used,
+                "cpu_cached": len(tiers.cpu),
+            }
+
+    # ------------------------------------------------------------------ engine seam (EngineAdapters)
     def validate(self, seq: Sequence) -> None:
         if seq.adapter_id:
-            parse_ref(seq.adapter_id)
+            AdapterRef.parse(seq.adapter_id)
 
     def can_admit(self, seq: Sequence) -> bool:
         if not seq.adapter_id:
             seq.lora_slot, seq.adapter_digest = -1, ""
             return True
         try:
-            got = self.manager.acquire(seq.seq_id, seq.adapter_id, new_request=seq.num_preemptions == 0)
+            ref = AdapterRef.parse(seq.adapter_id)
+            got = self.pool.acquire(seq.seq_id, ref, new_request=seq.num_preemptions == 0)
         except WorkerError as exc:
             seq.error = exc
             return False
@@ -106,28 +125,35 @@ class WorkerAdapters:
         seq.lora_slot, seq.adapter_digest = got
         return True
 
-    def on_admitted(self, seq: Sequence) -> None:
-        pass  # the slot is held from can_admit on, so a later admission this step cannot evict it
-
     def on_finished(self, seq: Sequence) -> None:
         if seq.adapter_id:
-            self.manager.release(seq.seq_id, len(seq.output_token_ids) if seq.finished else 0)
+            self.pool.release(seq.seq_id, len(seq.output_token_ids) if seq.finished else 0)
 
-    def build_lora_context(self, batch: ForwardBatch) -> object | None:
+    def lora_batch(self, token_slots: torch.Tensor) -> LoRABatch:
         # token_slots: [T] int32 on the device, -1 = base row
-        self.lora_batch.prepare(batch.token_slots)
-        return self.lora_batch
+        self._lora_batch.prepare(token_slots)
+        return self._lora_batch
 
-    # ------------------------------------------------------------------ admin (event loop)
+    # ------------------------------------------------------------------ admin (AdapterAdmin, event loop)
     async def load_adapter(self, adapter_id: str, tier: str) -> AdapterState:
-        return await self.manager.load(adapter_id, tier)
+        key = await self.pool.ensure_cpu(AdapterRef.parse(adapter_id))
+        if tier == "gpu":
+            await asyncio.to_thread(self.pool.activate_now, key)
+        return self.pool.state(key)
 
     async def unload_adapter(self, adapter_id: str) -> bool:
-        return await self.manager.unload(adapter_id)
+        return self.pool.unload(AdapterRef.parse(adapter_id).adapter_id)
 
     async def pin_adapter(self, adapter_id: str, pinned: bool) -> AdapterState:
-        return await self.manager.pin(adapter_id, pinned)
+        ref = AdapterRef.parse(adapter_id)
+        if not pinned:
+            self.pool.set_pin(ref.adapter_id, None)
+            return self.pool.state_of(AdapterRef(ref.adapter_id))
+        with self.pool.lock:
+            self.pool.check_pin_room(ref.adapter_id)
+        key = await self.pool.ensure_cpu(ref)
+        await asyncio.to_thread(self.pool.set_pin, ref.adapter_id, key)
+        return self.pool.state(key)
 
     def list_adapters(self) -> list[AdapterState]:
-        self.manager.poll_invalidations()
-        return self.manager.list()
+        return self.pool.list()

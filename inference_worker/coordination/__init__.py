@@ -1,13 +1,20 @@
 """Coordination between workers and the store: residency, LRU clock, heartbeats, pins and
 invalidation events. `InProcessCoordinator` stands in when no Redis is configured."""
 
-from inference_worker.coordination.coordinator import (
+from loraserve.inference_worker.coordination.coordinator import (
     FIRST_EVENT_ID,
     Coordinator,
     InvalidationEvent,
     Residency,
     WorkerHeartbeat,
 )
-from inference_worker.coordination.in_process import InProcessCoordinator
+from loraserve.inference_worker.coordination.in_process import InProcessCoordinator
 
-__all__ = ["FIRST_EVENT_ID", "Coordinator", "InProcessCoordinator", "InvalidationEvent", "Residency", "WorkerHeartbeat"]
+__all__ = [
+    "FIRST_EVENT_ID",
+    "Coordinator",
+    "InProcessCoordinator",
+    "InvalidationEvent",
+    "Residency",
+    "WorkerHeartbeat",
+]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from inference_worker.coordination.coordinator import (
+from loraserve.inference_worker.coordination.coordinator import (
     FIRST_EVENT_ID,
     InvalidationEvent,
     Residency,
@@ -22,6 +22,7 @@ class InProcessCoordinator:
         self._residency: dict[tuple[str, str], Residency] = {}
         self._heartbeats: dict[str, WorkerHeartbeat] = {}
         self._pins: dict[str, set[str]] = {}
+        self._popularity: dict[str, tuple[float, dict[str, float]]] = {}  # worker -> (expires, counts)
         self._events: list[InvalidationEvent] = []
         self._next_event_id = 1
         self._max_events = max_events
@@ -43,9 +44,13 @@ class InProcessCoordinator:
         with self._lock:
             return [r for (w, _), r in self._residency.items() if worker_id is None or w == worker_id]
 
-    def heartbeat(self, worker_id: str, address: str, ttl_s: float, info: dict[str, float | int | str]) -> None:
+    def heartbeat(
+        self, worker_id: str, address: str, ttl_s: float, info: dict[str, float | int | str]
+    ) -> None:
         with self._lock:
-            self._heartbeats[worker_id] = WorkerHeartbeat(worker_id, address, time.monotonic() + ttl_s, dict(info))
+            self._heartbeats[worker_id] = WorkerHeartbeat(
+                worker_id, address, time.monotonic() + ttl_s, dict(info)
+            )
 
     def live_workers(self) -> list[WorkerHeartbeat]:
         now = time.monotonic()
@@ -58,6 +63,7 @@ class InProcessCoordinator:
         with self._lock:
             self._heartbeats.pop(worker_id, None)
             self._pins.pop(worker_id, None)
+            self._popularity.pop(worker_id, None)
             for key in [k for k in self._residency if k[0] == worker_id]:
                 del self._residency[key]
 
@@ -73,6 +79,21 @@ class InProcessCoordinator:
         with self._lock:
             return set(self._pins.get(worker_id, ()))
 
+    def publish_popularity(self, worker_id: str, counts: dict[str, float], ttl_s: float) -> None:
+        with self._lock:
+            self._popularity[worker_id] = (time.monotonic() + ttl_s, dict(counts))
+
+    def fleet_popularity(self) -> dict[str, float]:
+        now = time.monotonic()
+        total: dict[str, float] = {}
+        with self._lock:
+            for w in [w for w, (expires, _) in self._popularity.items() if expires <= now]:
+                del self._popularity[w]
+            for _, counts in self._popularity.values():
+                for adapter_id, n in counts.items():
+                    total[adapter_id] = total.get(adapter_id, 0.0) + n
+        return total
+
     def publish_invalidation(self, adapter_id: str, digest: str, reason: str) -> str:
         with self._lock:
             event = InvalidationEvent(f"{self._next_event_id}-0", adapter_id, digest, reason)
@@ -84,7 +105,9 @@ class InProcessCoordinator:
                 del self._events[: len(self._events) - self._max_events]
             return event.event_id
 
-    def read_invalidations(self, after_id: str = FIRST_EVENT_ID, limit: int = 1000) -> list[InvalidationEvent]:
+    def read_invalidations(
+        self, after_id: str = FIRST_EVENT_ID, limit: int = 1000
+    ) -> list[InvalidationEvent]:
         after = _order(after_id)
         with self._lock:
             return [e for e in self._events if _order(e.event_id) > after][:limit]

@@ -5,6 +5,8 @@
     {prefix}worker:{worker}       JSON heartbeat {address, info}, expires after its TTL
     {prefix}workers               set of worker ids that sent a heartbeat
     {prefix}pins:{worker}         set of pinned adapter ids
+    {prefix}popularity:{worker}   hash adapter id -> decayed request count, expires after its TTL
+    {prefix}popular               set of worker ids that published popularity
     {prefix}events                stream of invalidations; the store's registry appends
                                   {event: replaced|deleted, adapter_id, digest} there too
 
@@ -23,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from inference_worker.coordination.coordinator import (
+from loraserve.inference_worker.coordination.coordinator import (
     FIRST_EVENT_ID,
     InvalidationEvent,
     Residency,
@@ -36,17 +38,28 @@ _REASONS = {"replaced": "registered", "registered": "registered", "deleted": "de
 
 
 class RedisCoordinator:
-    def __init__(self, url: str, prefix: str = "loraserve:", *, client: Any = None, backoff_s: float = 1.0,
-                 max_events: int = 10_000) -> None:
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "loraserve:",
+        *,
+        client: Any = None,
+        backoff_s: float = 1.0,
+        max_events: int = 10_000,
+    ) -> None:
         import redis
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
         self.prefix = prefix
         self._redis = client or redis.Redis.from_url(
-            url, decode_responses=True, socket_connect_timeout=0.5, socket_timeout=1.0,
+            url,
+            decode_responses=True,
+            socket_connect_timeout=0.5,
+            socket_timeout=1.0,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 1),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         self._backoff_s, self._max_events = backoff_s, max_events
         self._lock = threading.Lock()
@@ -110,8 +123,11 @@ class RedisCoordinator:
         with self._lock:
             self._shadow_residency[(residency.worker_id, residency.adapter_id)] = residency
             self._own_workers.add(residency.worker_id)
-        self._call(lambda: self._redis.hset(self._key("residency", residency.worker_id), residency.adapter_id,
-                                            _residency_json(residency)))
+        self._call(
+            lambda: self._redis.hset(
+                self._key("residency", residency.worker_id), residency.adapter_id, _residency_json(residency)
+            )
+        )
 
     def drop_residency(self, worker_id: str, adapter_id: str) -> None:
         with self._lock:
@@ -120,9 +136,14 @@ class RedisCoordinator:
         self._call(lambda: self._redis.hdel(self._key("residency", worker_id), adapter_id))
 
     def residencies(self, worker_id: str | None = None) -> list[Residency]:
-        workers = [worker_id] if worker_id is not None else sorted(
-            self._call(lambda: self._redis.smembers(self._key("workers")), set()) |
-            {w for w, _ in self._shadow_residency})
+        workers = (
+            [worker_id]
+            if worker_id is not None
+            else sorted(
+                self._call(lambda: self._redis.smembers(self._key("workers")), set())
+                | {w for w, _ in self._shadow_residency}
+            )
+        )
         out: list[Residency] = []
         for w in workers:
             entries = self._call(lambda w=w: self._redis.hgetall(self._key("residency", w)), None)
@@ -131,11 +152,15 @@ class RedisCoordinator:
                 continue
             for adapter_id, raw in entries.items():
                 d = json.loads(raw)
-                out.append(Residency(w, adapter_id, d["digest"], d["tier"], int(d["slot"]), int(d["last_used"])))
+                out.append(
+                    Residency(w, adapter_id, d["digest"], d["tier"], int(d["slot"]), int(d["last_used"]))
+                )
         return out
 
     # ------------------------------------------------------------------ heartbeats
-    def heartbeat(self, worker_id: str, address: str, ttl_s: float, info: dict[str, float | int | str]) -> None:
+    def heartbeat(
+        self, worker_id: str, address: str, ttl_s: float, info: dict[str, float | int | str]
+    ) -> None:
         body = json.dumps({"address": address, "info": info, "expires_at": time.time() + ttl_s})
 
         def write() -> None:
@@ -143,6 +168,7 @@ class RedisCoordinator:
             pipe.set(self._key("worker", worker_id), body, px=max(1, int(ttl_s * 1000)))
             pipe.sadd(self._key("workers"), worker_id)
             pipe.execute()
+
         self._call(write)
 
     def live_workers(self) -> list[WorkerHeartbeat]:
@@ -170,9 +196,16 @@ class RedisCoordinator:
 
         def release() -> None:
             pipe = self._redis.pipeline(transaction=True)
-            pipe.delete(self._key("worker", worker_id), self._key("residency", worker_id), self._key("pins", worker_id))
+            pipe.delete(
+                self._key("worker", worker_id),
+                self._key("residency", worker_id),
+                self._key("pins", worker_id),
+                self._key("popularity", worker_id),
+            )
             pipe.srem(self._key("workers"), worker_id)
+            pipe.srem(self._key("popular"), worker_id)
             pipe.execute()
+
         self._call(release)
 
     # ------------------------------------------------------------------ pins
@@ -190,15 +223,62 @@ class RedisCoordinator:
                 return set(self._shadow_pins.get(worker_id, ()))
         return set(got)
 
+    # ------------------------------------------------------------------ popularity
+    def publish_popularity(self, worker_id: str, counts: dict[str, float], ttl_s: float) -> None:
+        key = self._key("popularity", worker_id)
+
+        def write() -> None:
+            # replaced whole: adapters that decayed out of the top disappear
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(key)
+            if counts:
+                pipe.hset(key, mapping={a: repr(float(n)) for a, n in counts.items()})
+                pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+            pipe.sadd(self._key("popular"), worker_id)
+            pipe.execute()
+
+        self._call(write)
+
+    def fleet_popularity(self) -> dict[str, float]:
+        ids = sorted(self._call(lambda: self._redis.smembers(self._key("popular")), set()))
+        if not ids:
+            return {}
+
+        def read() -> list[dict[str, str]]:
+            pipe = self._redis.pipeline(transaction=False)
+            for w in ids:
+                pipe.hgetall(self._key("popularity", w))
+            return list(pipe.execute())
+
+        tables = self._call(read, [])
+        total: dict[str, float] = {}
+        for counts in tables:
+            for adapter_id, raw in counts.items():
+                total[adapter_id] = total.get(adapter_id, 0.0) + float(raw)
+        gone = [w for w, counts in zip(ids, tables, strict=False) if not counts]
+        if gone and len(tables) == len(ids):  # expired (or emptied): forget the worker
+            self._call(lambda: self._redis.srem(self._key("popular"), *gone))
+        return total
+
     # ------------------------------------------------------------------ invalidation events
     def publish_invalidation(self, adapter_id: str, digest: str, reason: str) -> str:
         fields: dict[Any, Any] = {"event": reason, "adapter_id": adapter_id, "digest": digest}
-        return str(self._call(lambda: self._redis.xadd(self._key("events"), fields, maxlen=self._max_events,
-                                                        approximate=True), ""))
+        return str(
+            self._call(
+                lambda: self._redis.xadd(
+                    self._key("events"), fields, maxlen=self._max_events, approximate=True
+                ),
+                "",
+            )
+        )
 
-    def read_invalidations(self, after_id: str = FIRST_EVENT_ID, limit: int = 1000) -> list[InvalidationEvent]:
+    def read_invalidations(
+        self, after_id: str = FIRST_EVENT_ID, limit: int = 1000
+    ) -> list[InvalidationEvent]:
         start = "-" if after_id == FIRST_EVENT_ID else f"({after_id}"
-        entries = self._call(lambda: self._redis.xrange(self._key("events"), min=start, max="+", count=limit), [])
+        entries = self._call(
+            lambda: self._redis.xrange(self._key("events"), min=start, max="+", count=limit), []
+        )
         out = []
         for event_id, f in entries:
             reason = _REASONS.get(f.get("event", ""), f.get("event", ""))

@@ -1,40 +1,39 @@
-"""The seams through which adapters plug into the engine and the service.
+"""The engine's seam to the adapters, and the service's.
 
-An `AdapterManager` (built by the LoRA code) is optional. Without one the engine uses
-`BaseOnlyPolicy`: every request is admitted, a non-empty `adapter_id` is refused with
-`NoAdapterStore` (FAILED_PRECONDITION), and the admin RPCs answer FAILED_PRECONDITION.
+`EngineAdapters` is what the engine asks of the adapters (adapters/worker_adapters.py
+`WorkerAdapters` implements it); without adapters the engine admits with `BaseOnlyPolicy`: every
+request is admitted, a non-empty `adapter_id` is refused with `NoAdapterStore`
+(FAILED_PRECONDITION). `AdapterAdmin` is what the servicer's admin RPCs call.
 
-Engine side (all called on the engine thread, never on the asyncio loop):
-- `validate(seq)` at submission (caller's thread): may raise a WorkerError (bad id, ...).
-- `can_admit(seq) -> bool` for each waiting sequence the scheduler considers, only after its KV
-  blocks are known to fit; non-blocking: it may start an async load and return False (the scheduler
-  keeps scanning the queue past it). On True it sets `seq.lora_slot` (-1 = base) and
-  `seq.adapter_digest`. To fail a sequence for good (load failed) set `seq.error` and return False.
-- `on_admitted(seq)` when the sequence joins the running set; `on_finished(seq)` whenever it
-  leaves it (finished, cancelled, or preempted back to the queue: `seq.finished` tells which).
-- `build_lora_context(batch) -> object | None` once per step, after the runner filled
-  `batch.token_slots` [T] int32 and `batch.seq_slots`; the result becomes `batch.lora` and reaches
-  every `GroupedLinear.lora.apply(x, y, batch.lora)`. Return None when the step has no adapter
-  rows. Steps with `batch.lora` set run eagerly (outside CUDA graphs) unless
-  `supports_cuda_graphs` is True, in which case the object must live in static buffers.
+Engine side (all on the engine's step thread, except `validate`, which runs on the caller's):
+- `validate(seq)` at submission: may raise a WorkerError (a malformed adapter reference, ...).
+- `can_admit(seq) -> bool` for each waiting sequence the scheduler considers, once its KV blocks
+  are known to fit; never blocks: it may start an async load and answer False (the scheduler keeps
+  scanning past it). On True it has set `seq.lora_slot` (-1 = base) and `seq.adapter_digest`, and
+  the sequence holds that slot until `on_finished`. To fail a sequence for good it sets
+  `seq.error` and answers False.
+- `on_finished(seq)` whenever a sequence leaves the running set (finished, cancelled, or
+  preempted back to the queue: `seq.finished` tells which).
+- `lora_batch(token_slots) -> LoRABatch` per step with adapter rows: the batch metadata every
+  LoRA layer reads, prepared in static buffers with sync-free ops, so it is also called inside the
+  decode CUDA graphs the runner captures.
 
 Service side (async, on the event loop): `load_adapter`, `unload_adapter`, `pin_adapter`,
 `list_adapters`, returning `AdapterState`; errors are WorkerErrors from inference_worker.errors.
-`attach(engine, loop)` is called once when the server starts (the engine exposes `model` with
-`grouped_linears()` -> {(layer, group): GroupedLinear}); `register_metrics(registry)` when the
-server adopts the manager, `close()` when it stops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
-from inference_worker.errors import NoAdapterStore
+from loraserve.inference_worker.errors import NoAdapterStore
 
 if TYPE_CHECKING:
-    from inference_worker.engine.sequence import Sequence
-    from inference_worker.model.forward_batch import ForwardBatch
+    import torch
+
+    from loraserve.inference_worker.engine.sequence import Sequence
+    from loraserve.kernels import LoRABatch
 
 
 @dataclass
@@ -58,19 +57,14 @@ class AdmissionPolicy(Protocol):
 
     def can_admit(self, seq: Sequence) -> bool: ...
 
-    def on_admitted(self, seq: Sequence) -> None: ...
-
     def on_finished(self, seq: Sequence) -> None: ...
 
 
-@runtime_checkable
-class AdapterManager(AdmissionPolicy, Protocol):
-    supports_cuda_graphs: bool
+class EngineAdapters(AdmissionPolicy, Protocol):
+    def lora_batch(self, token_slots: torch.Tensor) -> LoRABatch: ...
 
-    def build_lora_context(self, batch: ForwardBatch) -> object | None: ...
 
-    def attach(self, engine: object, loop: object) -> None: ...
-
+class AdapterAdmin(Protocol):
     async def load_adapter(self, adapter_id: str, tier: str) -> AdapterState: ...
 
     async def unload_adapter(self, adapter_id: str) -> bool: ...
@@ -78,10 +72,6 @@ class AdapterManager(AdmissionPolicy, Protocol):
     async def pin_adapter(self, adapter_id: str, pinned: bool) -> AdapterState: ...
 
     def list_adapters(self) -> list[AdapterState]: ...
-
-    async def close(self) -> None: ...
-
-    def register_metrics(self, registry: object) -> None: ...
 
 
 class BaseOnlyPolicy:
@@ -93,9 +83,6 @@ class BaseOnlyPolicy:
 
     def can_admit(self, seq: Sequence) -> bool:
         return True
-
-    def on_admitted(self, seq: Sequence) -> None:
-        pass
 
     def on_finished(self, seq: Sequence) -> None:
         pass

@@ -7,11 +7,12 @@ import logging
 
 import torch
 
-from inference_worker.engine.adapter_hooks import AdapterManager
-from inference_worker.engine.scheduler import ScheduledBatch
-from inference_worker.engine.sequence import Sequence
-from inference_worker.model.forward_batch import ForwardBatch
-from inference_worker.model.llama import LlamaModel
+from loraserve.inference_worker.engine.adapter_hooks import EngineAdapters
+from loraserve.inference_worker.engine.scheduler import ScheduledBatch
+from loraserve.inference_worker.engine.sequence import Sequence
+from loraserve.inference_worker.model.forward_batch import ForwardBatch
+from loraserve.inference_worker.model.llama import LlamaModel
+from loraserve.kernels import LoRABatch
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,16 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, use_cuda_graphs: bool, adapters: AdapterManager | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_cuda_graphs: bool,
+        adapters: EngineAdapters | None = None,
+    ) -> None:
         self.model, self.device = model, model.device
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -38,17 +47,16 @@ class ModelRunner:
         for i, layer in enumerate(model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         if self.device.type == "cuda":
-            from inference_worker.model.decode_attention import paged_decode_attention
+            from loraserve.inference_worker.model.decode_attention import paged_decode_attention
 
             for layer in model.layers:
                 layer.self_attn.decode_attention = paged_decode_attention
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._base_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # base-only twins when graphs carry LoRA
-        # True when the graphs were captured with the adapters' LoRA path in them (an adapter
-        # manager installed later runs its steps eagerly)
-        self._graph_lora = adapters is not None and getattr(adapters, "supports_cuda_graphs", False)
-        # Captured once, by capture_graphs() (the engine calls it when it starts, or its first step
-        # does), so an adapter manager installed after construction costs no second capture.
+        # with adapters the graphs carry the LoRA path (LoRABatch.prepare included); base-only
+        # steps replay twins without it
+        self._base_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_lora = adapters is not None
+        # captured once, by capture_graphs() when the engine starts; until then steps run eagerly
         self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
 
     # ----------------------------------------------------------------------------- batch building
@@ -111,12 +119,19 @@ class ModelRunner:
             h64 = h64.pin_memory().to(self.device, non_blocking=True)
             h32 = h32.pin_memory().to(self.device, non_blocking=True)
         batch = ForwardBatch(
-            input_ids=h64[:n_tok], positions=h64[n_tok:2 * n_tok], slot_mapping=h64[2 * n_tok:3 * n_tok],
-            logits_indices=h64[3 * n_tok:3 * n_tok + n_log], context_lens=h32[:n_seq],
-            token_slots=h32[n_seq:n_seq + n_tok], block_tables=h32[n_seq + n_tok:].view(n_seq, width),
-            num_prefills=len(sched.prefills), num_prefill_tokens=num_prefill_tokens,
-            num_decodes=n_seq - len(sched.prefills), query_start=query_start,
-            context_lens_cpu=ctx_lens[: len(query_start) - 1], seq_slots=seq_slots,
+            input_ids=h64[:n_tok],
+            positions=h64[n_tok : 2 * n_tok],
+            slot_mapping=h64[2 * n_tok : 3 * n_tok],
+            logits_indices=h64[3 * n_tok : 3 * n_tok + n_log],
+            context_lens=h32[:n_seq],
+            token_slots=h32[n_seq : n_seq + n_tok],
+            block_tables=h32[n_seq + n_tok :].view(n_seq, width),
+            num_prefills=len(sched.prefills),
+            num_prefill_tokens=num_prefill_tokens,
+            num_decodes=n_seq - len(sched.prefills),
+            query_start=query_start,
+            context_lens_cpu=ctx_lens[: len(query_start) - 1],
+            seq_slots=seq_slots,
         )
         return batch, sample_seqs
 
@@ -125,41 +140,30 @@ class ModelRunner:
     def execute(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one step; -> (logits [N, V] float32, the N sequences they belong to)."""
         n = len(sched.decodes)
-        self.capture_graphs()
         bucket = next((b for b in self.graphs if b >= n), None) if not sched.prefills else None
         if bucket is not None:
             batch, sample_seqs = self.build_batch(sched, pad_to=bucket)
             # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
             # steps without adapter rows replay graphs without it
             base_only = self.adapters is None or all(s < 0 for s in batch.seq_slots)
-            if base_only or self._graph_lora:
-                return self._replay(bucket, batch, lora=not base_only)[:n], sample_seqs
+            return self._replay(bucket, batch, lora=not base_only)[:n], sample_seqs
         batch, sample_seqs = self.build_batch(sched, pad_to=None)
-        batch.lora = self._lora(batch)
+        if self.adapters is not None and any(s >= 0 for s in batch.seq_slots):
+            batch.lora = self.adapters.lora_batch(batch.token_slots)
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices]), sample_seqs
 
-    def _lora(self, batch: ForwardBatch) -> object | None:
-        if self.adapters is None or all(s < 0 for s in batch.seq_slots):
-            return None
-        return self.adapters.build_lora_context(batch)
-
-    def set_adapters(self, adapters: AdapterManager | None) -> None:
-        """Install the adapter manager. Graphs not captured yet will carry its LoRA path; graphs
-        already captured are captured again."""
-        self.adapters = adapters
-        self._graph_lora = adapters is not None and getattr(adapters, "supports_cuda_graphs", False)
-        if self.graphs:
-            self.graphs, self._base_graphs = {}, {}
-            self._capture_graphs()
+    @torch.inference_mode()
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """KV of blocks src[i] -> dst[i] in every layer (queued after the step that wrote them)."""
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        self.kv_cache[:, :, d] = self.kv_cache[:, :, s]  # [layers, 2, blocks, block_size, nkv, d]
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs if this runner uses them and has none yet (idempotent)."""
         if self._want_graphs and not self.graphs:
             self._capture_graphs()
-
-    def _graph_lora_context(self, batch: ForwardBatch) -> object | None:
-        return self.adapters.build_lora_context(batch) if self.adapters is not None and self._graph_lora else None
 
     # ------------------------------------------------------------------------------ CUDA graphs
     def _capture_graphs(self) -> None:
@@ -180,30 +184,39 @@ class ModelRunner:
         self._graph_out: dict[tuple[int, bool], torch.Tensor] = {}
         pool = None
         for b in sorted(sizes, reverse=True):
-            # with an adapter manager: one graph with the LoRA path, one without for base-only steps
+            # with adapters: one graph with the LoRA path, one without for base-only steps
             for lora in (True, False) if self._graph_lora else (False,):
                 batch = self._static_view(b)
                 with torch.inference_mode():
                     for _ in range(2):  # warm up (Triton autotune / compile) outside capture
-                        batch.lora = self._graph_lora_context(batch) if lora else None
+                        batch.lora = self._capture_lora(batch, lora)
                         self.model.compute_logits(self.model(batch))
                     torch.cuda.synchronize()
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=pool):
-                        batch.lora = self._graph_lora_context(batch) if lora else None
+                        batch.lora = self._capture_lora(batch, lora)
                         self._graph_out[(b, lora)] = self.model.compute_logits(self.model(batch))
                 pool = g.pool()
                 (self.graphs if lora or not self._graph_lora else self._base_graphs)[b] = g
         self.graphs = dict(sorted(self.graphs.items()))
         log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
 
+    def _capture_lora(self, batch: ForwardBatch, lora: bool) -> LoRABatch | None:
+        return self.adapters.lora_batch(batch.token_slots) if lora and self.adapters is not None else None
+
     def _static_view(self, b: int) -> ForwardBatch:
         s = self._static
         return ForwardBatch(
-            input_ids=s.input_ids[:b], positions=s.positions[:b], slot_mapping=s.slot_mapping[:b],
-            block_tables=s.block_tables[:b], context_lens=s.context_lens[:b],
-            logits_indices=s.logits_indices[:b], token_slots=s.token_slots[:b], num_decodes=b,
-            query_start=list(range(b + 1)), context_lens_cpu=[1] * b,
+            input_ids=s.input_ids[:b],
+            positions=s.positions[:b],
+            slot_mapping=s.slot_mapping[:b],
+            block_tables=s.block_tables[:b],
+            context_lens=s.context_lens[:b],
+            logits_indices=s.logits_indices[:b],
+            token_slots=s.token_slots[:b],
+            num_decodes=b,
+            query_start=list(range(b + 1)),
+            context_lens_cpu=[1] * b,
         )
 
     def _replay(self, b: int, batch: ForwardBatch, lora: bool = False) -> torch.Tensor:
@@ -215,6 +228,5 @@ class ModelRunner:
         s.block_tables[:b, : batch.block_tables.shape[1]].copy_(batch.block_tables)
         s.context_lens[:b].copy_(batch.context_lens)
         s.token_slots[:b].copy_(batch.token_slots)
-        lora = lora and self._graph_lora
         (self.graphs[b] if lora or not self._graph_lora else self._base_graphs[b]).replay()
         return self._graph_out[(b, lora)]

@@ -11,15 +11,29 @@ and after a preemption and recompute; a row's path depends only on its own param
     other rows: cand = top-K of x (K = largest top_k among them, or a full sort), sorted descending;
                 keep = rank < top_k and (mass before it) < top_p;
                 token = cand id at the first j with cumsum(p_keep)[j] >= u * sum(p_keep)
+
+Penalties change the logits before any of that (greedy rows too), as vLLM orders them; c[v] counts
+token v among the generated tokens, seen[v] says v is in the prompt or among them:
+
+    x[v] -= frequency_penalty * c[v] + presence_penalty * (c[v] > 0)          # OpenAI
+    x[v]  = x[v] / r if x[v] > 0 else x[v] * r,  for seen[v], r = repetition_penalty  # Hugging Face
+
+Log-probabilities are those of the model itself, log_softmax of its logits before penalties,
+temperature, top-k and top-p (vLLM's default): a token's logprob does not depend on how it was
+picked. The top alternatives come from one `topk` over the rows that ask for them.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
-from inference_worker.engine.sequence import Sequence
+from loraserve.inference_worker.engine.penalties import TokenCounts
+from loraserve.inference_worker.engine.sequence import Sequence, TokenLogprob
+
+MAX_TOP_LOGPROBS = 20
 
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -45,9 +59,16 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # per row; None where not asked for
+
+
 class Sampler:
     def __init__(self) -> None:
         self._seeds: dict[int, int] = {}  # seq_id -> 64-bit seed (drawn once for unseeded requests)
+        self._counts: TokenCounts | None = None  # token counts of the penalized sequences
 
     def seed(self, seq: Sequence) -> int:
         s = self._seeds.get(seq.seq_id)
@@ -58,31 +79,93 @@ class Sampler:
 
     def release(self, seq: Sequence) -> None:
         self._seeds.pop(seq.seq_id, None)
+        if self._counts is not None:
+            self._counts.release(seq)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V] float32, one row per sequence -> N token ids."""
-        tokens = logits.argmax(dim=-1)  # [N]
+        return self.step(logits, seqs).token_ids
+
+    def step(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        """logits: [N, V] float32, one row per sequence -> N tokens (and logprobs where asked)."""
+        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]  # not ended by a stop string
+        penalized = [i for i in live if seqs[i].params.penalized]
+        x = self.apply_penalties(logits, seqs, penalized)
+        tokens = x.argmax(dim=-1)  # [N]
         vocab = logits.shape[1]
         plain: list[int] = []
         ordered: list[int] = []
-        for i, s in enumerate(seqs):
-            p = s.params
-            if p.greedy or s.finish_reason is not None:  # finished by a stop string meanwhile
-                continue
-            (plain if not 0 < p.top_k < vocab and p.top_p >= 1.0 else ordered).append(i)
+        for i in live:
+            p = seqs[i].params
+            if not p.greedy:
+                (plain if not 0 < p.top_k < vocab and p.top_p >= 1.0 else ordered).append(i)
         for rows, pick in ((plain, self._plain), (ordered, self._ordered)):
             if rows:
                 idx = torch.tensor(rows, device=logits.device)
-                tokens[idx] = pick(logits[idx], [seqs[i] for i in rows])
-        return tokens.tolist()
+                tokens[idx] = pick(x[idx], [seqs[i] for i in rows])
+        if penalized:
+            assert self._counts is not None
+            self._counts.add([seqs[i] for i in penalized], tokens[torch.tensor(penalized, device=x.device)])
+        wanted = [i for i in live if seqs[i].params.logprobs]
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if wanted:
+            lps = self._logprobs(logits, tokens, [seqs[i] for i in wanted], wanted)
+            for i, lp in zip(wanted, lps, strict=True):
+                logprobs[i] = lp
+        return Sampled(tokens.tolist(), logprobs)
+
+    def apply_penalties(
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """logits [N, V] with the penalties of seqs[i] applied to row i for i in `rows` (default:
+        every row with a penalty); a copy, or `logits` itself when no row has one."""
+        if rows is None:
+            rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+        if not rows:
+            return logits
+        if self._counts is None:
+            self._counts = TokenCounts(logits.shape[1], logits.device)
+        dev = logits.device
+        idx = torch.tensor(rows, device=dev)
+        seqs = [seqs[i] for i in rows]
+        counts, seen = self._counts.get(seqs)  # [M, V] int32, [M, V] bool
+        x = logits[idx]
+        pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=x.dtype, device=dev)[:, None]
+        freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=x.dtype, device=dev)[:, None]
+        rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=x.dtype, device=dev)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - freq * counts - pres * (counts > 0)
+        out = logits.clone()
+        out[idx] = x
+        return out
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    ) -> list[TokenLogprob]:
+        idx = torch.tensor(rows, device=logits.device)
+        lp = logits[idx].float().log_softmax(-1)  # [M, V]
+        chosen = lp.gather(-1, tokens[idx].unsqueeze(-1)).squeeze(-1).tolist()
+        ks = [min(s.params.top_logprobs, lp.shape[1]) for s in seqs]
+        top_v: list[list[float]] = [[] for _ in rows]
+        top_i: list[list[int]] = [[] for _ in rows]
+        if max(ks) > 0:
+            v, i = lp.topk(max(ks), dim=-1)  # [M, K] most likely first
+            top_v, top_i = v.tolist(), i.tolist()
+        toks = tokens[idx].tolist()
+        return [
+            TokenLogprob(t, c, tuple(zip(ti[:k], tv[:k], strict=True)))
+            for t, c, ti, tv, k in zip(toks, chosen, top_i, top_v, ks, strict=True)
+        ]
 
     def _scaled(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits / temperature [M, V], u [M]) of the rows that sample."""
         dev = logits.device
         # temperatures under 1e-4 behave as greedy up to ties, without overflowing x to inf
         temp = torch.tensor([max(s.params.temperature, 1e-4) for s in seqs], dtype=torch.float32, device=dev)
-        u = torch.tensor([uniform(self.seed(s), len(s.output_token_ids)) for s in seqs], dtype=torch.float64,
-                         device=dev)
+        u = torch.tensor(
+            [uniform(self.seed(s), len(s.output_token_ids)) for s in seqs], dtype=torch.float64, device=dev
+        )
         return logits / temp[:, None], u
 
     def _plain(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -7,7 +7,9 @@ sequences are admitted while the running set is below `max_num_seqs`, budget rem
 first chunk's KV blocks fit. The admission policy may decline a sequence (its adapter is not
 resident yet); the scan goes on past it, so one cold adapter blocks nobody. When a running sequence
 needs a block and none is free, the most recently admitted running sequence is preempted: its
-blocks are freed and it goes back to the head of the queue to be recomputed later.
+blocks are freed and it goes back to the head of the queue to be recomputed later. The n
+completions of one request are admitted together (the siblings fork from the first sequence's
+prompt KV when its prefill is done), so the group counts n against `max_num_seqs`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from inference_worker.engine.adapter_hooks import AdmissionPolicy
-from inference_worker.engine.block_manager import BlockManager
-from inference_worker.engine.sequence import Sequence, SequenceStatus
+from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy
+from loraserve.inference_worker.engine.block_manager import BlockManager
+from loraserve.inference_worker.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -33,8 +35,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, policy: AdmissionPolicy, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, blocks: BlockManager, policy: AdmissionPolicy, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
         self.blocks, self.policy = blocks, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -59,6 +62,13 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.FINISHED
             self.blocks.deallocate(seq)
+        else:  # PENDING: a sibling never scheduled, holding nothing
+            seq.status = SequenceStatus.FINISHED
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A sibling that shares its parent's prompt KV joins the running set (already admitted)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -89,8 +99,11 @@ class Scheduler:
         self._preempted = False
         # decoding sequences first (1 token each), then chunks of the prefilling ones
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        ordered = decoding if len(decoding) == len(self.running) else \
-            decoding + [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        ordered = (
+            decoding
+            if len(decoding) == len(self.running)
+            else decoding + [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        )
         for seq in ordered:
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
@@ -103,11 +116,16 @@ class Scheduler:
         if self._preempted:
             return out
         for seq in list(self.waiting):
-            if len(self.running) >= self.max_num_seqs or budget <= 0:
+            # an n > 1 request is admitted with room for its siblings, which fork from it
+            if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or budget <= 0:
                 break
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
-                break  # memory is first come, first served
+            needed = self.blocks.num_new_blocks(seq, seq.num_computed_tokens + n)
+            free = self.blocks.num_free_blocks
+            # memory is first come, first served; room for the siblings' partial blocks is waited
+            # for only while others run (when they cannot fork they compute their prompt later)
+            if needed > free or (self.running and needed + len(seq.forks) > free):
+                break
             if not self.policy.can_admit(seq):
                 if seq.error is not None:
                     out.failed.append(seq)
@@ -118,7 +136,6 @@ class Scheduler:
             if seq.admitted_time is None:
                 seq.admitted_time = time.monotonic()
             self.running.append(seq)
-            self.policy.on_admitted(seq)
             budget -= n
             self._place(out, seq, n)
         return out

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inference_worker.engine.text_stream import TextStream
+from loraserve.contract.usage import Usage
+from loraserve.inference_worker.engine.text_stream import TextStream
 
 
 class FinishReason(enum.Enum):
@@ -20,6 +22,7 @@ class FinishReason(enum.Enum):
 
 
 class SequenceStatus(enum.Enum):
+    PENDING = "pending"  # a sibling of an n > 1 request, waiting for the first one's prompt KV
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -35,19 +38,29 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # completions of the prompt
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per position (needs logprobs)
+    presence_penalty: float = 0.0  # OpenAI: over generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # Hugging Face: over prompt and generated tokens, 1 = off
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    queue_time_ms: float
-    time_to_first_token_ms: float
-    total_time_ms: float
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the `top_logprobs` most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -62,10 +75,18 @@ class RequestOutput:
     error: Exception | None = None
     adapter_id: str = ""
     adapter_digest: str = ""
+    index: int = 0  # which of the request's n completions
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when asked for
 
     @property
     def finished(self) -> bool:
+        """This completion (index) ended."""
         return self.finish_reason is not None
+
+    @property
+    def last(self) -> bool:
+        """The request's last output: every completion ended (it carries the usage) or one failed."""
+        return self.usage is not None or self.error is not None
 
 
 _ids = itertools.count(1)
@@ -85,7 +106,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
-    # set by the adapter manager at admission: GPU slot (-1 = base) and the version's digest
+    # set by the adapters at admission (can_admit): GPU slot (-1 = base) and the version's digest
     lora_slot: int = -1
     adapter_digest: str = ""
     error: Exception | None = None  # set when admission failed for good (e.g. adapter load)
@@ -95,6 +116,13 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     sent_token_count: int = 0  # output tokens already delivered
+    # tokens that end this sequence as EOS (the model's, plus the chat template's end of turn)
+    eos_token_ids: frozenset[int] = frozenset()
+    index: int = 0  # which of the request's n completions
+    # siblings (n > 1) that start from this sequence's prompt KV once its prefill is done
+    forks: list[Sequence] = field(default_factory=list)
+    group: SequenceGroup | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -127,4 +155,30 @@ class Sequence:
             queue_time_ms=(admitted - self.arrival_time) * 1e3,
             time_to_first_token_ms=(first - self.arrival_time) * 1e3,
             total_time_ms=(now - self.arrival_time) * 1e3,
+        )
+
+
+@dataclass
+class SequenceGroup:
+    """The n completions of one request. The request is done when all of them finished; its
+    usage counts the prompt once and the generated tokens of every completion."""
+
+    request_id: str
+    seqs: list[Sequence]
+    num_finished: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.seqs)
+
+    def usage(self, now: float) -> Usage:
+        first, *_ = self.seqs
+        u = first.usage(now)
+        firsts = [s.first_token_time for s in self.seqs if s.first_token_time is not None]
+        return dataclasses.replace(
+            u,
+            completion_tokens=sum(len(s.output_token_ids) for s in self.seqs),
+            time_to_first_token_ms=(min(firsts) - first.arrival_time) * 1e3
+            if firsts
+            else u.time_to_first_token_ms,
         )

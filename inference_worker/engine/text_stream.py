@@ -26,18 +26,18 @@ class TextStream:
     def append(self, token_id: int) -> bool:
         """Add a generated token; returns True when a stop string matched (text is cut there)."""
         self.token_ids.append(token_id)
-        window = self._decode(self.token_ids[self._prefix:])
+        window = self._decode(self.token_ids[self._prefix :])
         if window.endswith("\ufffd"):
             return False  # inside a multi-byte character: wait for more tokens
-        before = self._decode(self.token_ids[self._prefix:self._read])
-        new = window[len(before):]
+        before = self._decode(self.token_ids[self._prefix : self._read])
+        new = window[len(before) :]
         self._prefix, self._read = self._read, len(self.token_ids)
         start = max(0, len(self.text) - self.holdback)
         self.text += new
         if self.stop:
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                self.text = self.text[: min(hits)]
                 self.stopped = True
                 return True
         return False
@@ -45,10 +45,10 @@ class TextStream:
     def take(self, final: bool) -> str:
         """Text released since the last call; everything left when `final`."""
         if final and not self.stopped and self._read < len(self.token_ids):
-            window = self._decode(self.token_ids[self._prefix:])
-            self.text += window[len(self._decode(self.token_ids[self._prefix:self._read])):]
+            window = self._decode(self.token_ids[self._prefix :])
+            self.text += window[len(self._decode(self.token_ids[self._prefix : self._read])) :]
             self._read = len(self.token_ids)
         end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.holdback)
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = end
         return out

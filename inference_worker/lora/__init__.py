@@ -2,8 +2,8 @@
 (`slots`) and the layer objects attached to those projections (`layer`); the per-step batch
 metadata shared by every layer is a `kernels.LoRABatch`."""
 
-from inference_worker.lora.layer import LoRALayer
-from inference_worker.lora.payload import AdapterPayload
-from inference_worker.lora.slots import LoRASlots
+from loraserve.inference_worker.lora.layer import LoRALayer
+from loraserve.inference_worker.lora.payload import AdapterPayload
+from loraserve.inference_worker.lora.slots import LoRASlots
 
 __all__ = ["AdapterPayload", "LoRALayer", "LoRASlots"]

@@ -15,23 +15,26 @@ import itertools
 
 import torch
 
-import kernels
-from inference_worker.lora.slots import LoRASlots
+from loraserve import kernels
+from loraserve.inference_worker.lora.slots import LoRASlots
 
 
 class LoRALayer:
-    def __init__(self, slots: LoRASlots, layer: int, group: str) -> None:
+    def __init__(
+        self, slots: LoRASlots, layer: int, group: str, options: kernels.LaunchOptions | None = None
+    ) -> None:
         self.layer, self.group = layer, group
+        self.options = options if options is not None else kernels.LaunchOptions()
         self.lora_a = slots.a[layer][group]  # [L, S, R, in]
         self.lora_b = slots.b[layer][group]  # [L, N, R]
         self.ranks = slots.group_ranks(layer, group)  # [L] int32
         self.slice_offsets = list(itertools.accumulate(slots.out_sizes[group], initial=0))  # [S + 1]
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, ctx_lora: object) -> None:
+    def apply(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch) -> None:
         # x: [T, in], y: [T, N] (added to in place)
-        assert isinstance(ctx_lora, kernels.LoRABatch)
-        kernels.add_lora(y, x, self.lora_a, self.lora_b, self.ranks, ctx_lora, self.slice_offsets)
+        kernels.add_lora(
+            y, x, self.lora_a, self.lora_b, self.ranks, lora, self.slice_offsets, options=self.options
+        )
 
     def __repr__(self) -> str:
         return f"LoRALayer(layer={self.layer}, group={self.group}, slots={self.lora_a.shape[0]})"
-

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clients.payload import TORCH_DTYPES, PayloadTensor
+from loraserve.contract.payload import TORCH_DTYPES, PayloadTensor
 
-_NAME = re.compile(r"^layers\.(\d+)\.(qkv|o|gate_up|down)\.(lora_a|lora_b)$")
+_NAME = re.compile(r"layers\.(\d+)\.(qkv|o|gate_up|down)\.(lora_a|lora_b)")
 
 
 def parse_name(t: PayloadTensor) -> tuple[int, str, str]:
     """(layer, group, which) of the tensor's name; ValueError for a name outside the layout."""
-    m = _NAME.match(t.name)
+    m = _NAME.fullmatch(t.name)
     if m is None:
         raise ValueError(f"tensor {t.name!r} is not part of the adapter layout")
     return int(m.group(1)), m.group(2), m.group(3)

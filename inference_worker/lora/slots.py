@@ -7,7 +7,7 @@ sized once at start-up, plus each slot's rank per (layer, group).
     b[layer][group] = b_all[group][layer]   [max_loras, out_total, max_rank]
     ranks         [num_layers, num_groups, max_loras] int32 (0 = group not targeted / slot empty)
 
-Filling a slot copies an optimized payload (clients/adapter_layout.py) with no transform. On CUDA:
+Filling a slot copies an optimized payload (loraserve/contract/adapter_layout.py) with no transform. On CUDA:
 one async host-to-device copy of the whole pinned payload into a staging buffer, then a few
 device-side strided copies — one per (group, A|B) for the usual adapter whose tensors repeat with
 a fixed stride across consecutive layers, since buffers of one group are stacked over layers —
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from clients.adapter_layout import GROUPS, group_dims
-from clients.payload import PayloadTensor
-from inference_worker.lora.payload import AdapterPayload, parse_name, torch_dtype
+from loraserve.contract.adapter_layout import GROUPS, group_dims
+from loraserve.contract.payload import PayloadTensor
+from loraserve.inference_worker.lora.payload import AdapterPayload, parse_name, torch_dtype
 
 GROUP_INDEX = {g.name: i for i, g in enumerate(GROUPS)}
 
@@ -48,8 +48,9 @@ class CopyRun:
 
 
 class LoRASlots:
-    def __init__(self, hf_config: dict, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self, hf_config: dict, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -62,8 +63,12 @@ class LoRASlots:
         for g in GROUPS:
             n_in, outs = group_dims(hf_config, g)
             self.in_features[g.name], self.out_sizes[g.name] = n_in, outs
-            self.a_all[g.name] = torch.zeros(n, max_loras, len(outs), max_rank, n_in, dtype=dtype, device=self.device)
-            self.b_all[g.name] = torch.zeros(n, max_loras, sum(outs), max_rank, dtype=dtype, device=self.device)
+            self.a_all[g.name] = torch.zeros(
+                n, max_loras, len(outs), max_rank, n_in, dtype=dtype, device=self.device
+            )
+            self.b_all[g.name] = torch.zeros(
+                n, max_loras, sum(outs), max_rank, dtype=dtype, device=self.device
+            )
         self.a = [{g.name: self.a_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.b = [{g.name: self.b_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.ranks = torch.zeros(n, len(GROUPS), max_loras, dtype=torch.int32, device=self.device)
@@ -90,8 +95,10 @@ class LoRASlots:
         if payload.copy_plan is not None:
             return payload.copy_plan  # type: ignore[return-value]
         if payload.rank > self.max_rank:
-            raise SlotLoadError(f"adapter {payload.adapter_id} has rank {payload.rank}, "
-                                f"over this worker's max_lora_rank {self.max_rank}")
+            raise SlotLoadError(
+                f"adapter {payload.adapter_id} has rank {payload.rank}, "
+                f"over this worker's max_lora_rank {self.max_rank}"
+            )
         ranks = torch.zeros(self.num_layers, len(GROUPS), dtype=torch.int32)
         parsed: list[tuple[str, str, tuple[int, ...], int, PayloadTensor]] = []
         for t in payload.tensors:
@@ -104,16 +111,26 @@ class LoRASlots:
                 raise SlotLoadError(f"tensor {t.name} names layer {layer}; the model has {self.num_layers}")
             n_slices, n_in = len(self.out_sizes[group]), self.in_features[group]
             n_out = sum(self.out_sizes[group])
-            ok = (len(t.shape) == 3 and t.shape[0] == n_slices and t.shape[2] == n_in) if which == "lora_a" \
+            ok = (
+                (len(t.shape) == 3 and t.shape[0] == n_slices and t.shape[2] == n_in)
+                if which == "lora_a"
                 else (len(t.shape) == 2 and t.shape[0] == n_out)
+            )
             rank = t.shape[1] if ok else 0
             if not ok or not 1 <= rank <= self.max_rank:
-                raise SlotLoadError(f"tensor {t.name} has shape {list(t.shape)}, which does not fit "
-                                    f"[{n_slices}, r, {n_in}] / [{n_out}, r] with r <= {self.max_rank}")
+                raise SlotLoadError(
+                    f"tensor {t.name} has shape {list(t.shape)}, which does not fit "
+                    f"[{n_slices}, r, {n_in}] / [{n_out}, r] with r <= {self.max_rank}"
+                )
             size = dtype.itemsize
             for d in t.shape:
                 size *= d
-            if t.nbytes != size or t.offset < 0 or t.offset % dtype.itemsize or t.offset + t.nbytes > payload.nbytes:
+            if (
+                t.nbytes != size
+                or t.offset < 0
+                or t.offset % dtype.itemsize
+                or t.offset + t.nbytes > payload.nbytes
+            ):
                 raise SlotLoadError(f"tensor {t.name} lies outside the payload or is misaligned")
             if which == "lora_a":
                 ranks[layer, GROUP_INDEX[group]] = rank
@@ -122,13 +139,24 @@ class LoRASlots:
         parsed.sort(key=lambda p: (p[0], p[1], p[2], str(p[4].dtype), p[3]))
         for group, which, shape, layer, t in parsed:
             last = runs[-1] if runs else None
-            if (last is not None and (last.group, last.which, last.shape, last.dtype) ==
-                    (group, which, shape, torch_dtype(t)) and layer == last.first_layer + last.num_layers
-                    and (last.num_layers == 1 or t.offset == last.offset + last.num_layers * last.stride)
-                    and t.offset > last.offset):
+            if (
+                last is not None
+                and (last.group, last.which, last.shape, last.dtype) == (group, which, shape, torch_dtype(t))
+                and layer == last.first_layer + last.num_layers
+                and (last.num_layers == 1 or t.offset == last.offset + last.num_layers * last.stride)
+                and t.offset > last.offset
+            ):
                 stride = t.offset - last.offset if last.num_layers == 1 else last.stride
-                runs[-1] = CopyRun(group, which, last.first_layer, last.num_layers + 1, shape, last.dtype,
-                                   last.offset, stride)
+                runs[-1] = CopyRun(
+                    group,
+                    which,
+                    last.first_layer,
+                    last.num_layers + 1,
+                    shape,
+                    last.dtype,
+                    last.offset,
+                    stride,
+                )
             else:
                 runs.append(CopyRun(group, which, layer, 1, shape, torch_dtype(t), t.offset, 0))
         payload.copy_plan = [runs, ranks]
@@ -146,13 +174,19 @@ class LoRASlots:
             data = staged
         for run in runs:
             size = run.dtype.itemsize
-            elems = data.view(run.dtype) if data.numel() % size == 0 else data[: data.numel() // size * size].view(
-                run.dtype)
+            elems = (
+                data.view(run.dtype)
+                if data.numel() % size == 0
+                else data[: data.numel() // size * size].view(run.dtype)
+            )
             inner = [1]
             for d in reversed(run.shape[1:]):
                 inner.insert(0, inner[0] * d)
-            src = elems.as_strided((run.num_layers, *run.shape), (run.stride // size, *inner),
-                                   elems.storage_offset() + run.offset // size)
+            src = elems.as_strided(
+                (run.num_layers, *run.shape),
+                (run.stride // size, *inner),
+                elems.storage_offset() + run.offset // size,
+            )
             r = run.shape[1]
             layers = slice(run.first_layer, run.first_layer + run.num_layers)
             if run.which == "lora_a":

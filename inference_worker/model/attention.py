@@ -18,25 +18,32 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from inference_worker.model.forward_batch import ForwardBatch
-from inference_worker.model.linear import GroupedLinear
-from inference_worker.model.rope import apply_rope
+from loraserve.inference_worker.model.forward_batch import ForwardBatch
+from loraserve.inference_worker.model.linear import GroupedLinear
+from loraserve.inference_worker.model.rope import apply_rope
 
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
-                           torch.Tensor]
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     # k, v: [T, nkv, d] -> cache slots slot_mapping [T]
     nkv, d = k.shape[1], k.shape[2]
     k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v)
 
 
-def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q: [B, nh, d], block_tables: [B, max_blocks], context_lens: [B] -> out [B, nh, d].
     Semantics: out[b] = softmax(q[b] @ K[b, :len_b].T * scale) @ V[b, :len_b], K/V through the table."""
     b, nh, d = q.shape
@@ -45,8 +52,9 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k = k_cache[block_tables].view(b, max_len, nkv, d).transpose(1, 2)  # [B, nkv, L, d]
     v = v_cache[block_tables].view(b, max_len, nkv, d).transpose(1, 2)
     mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=nh != nkv)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=nh != nkv
+    )
     return out.squeeze(2)  # [B, nh, d]
 
 
@@ -61,8 +69,15 @@ def _prefix_mask(batch: ForwardBatch, i: int, q_len: int, total: int, device: to
     return mask
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
     """q: [P, nh, d] (prefill tokens), k, v: [P, nkv, d] -> out [P, nh, d]."""
     nh, nkv, d = q.shape[1], k.shape[1], q.shape[2]
     bs = k_cache.shape[1]
@@ -79,23 +94,43 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             mask, causal = _prefix_mask(batch, i, q_len, total, q.device), False
         gqa = nh != nkv
         if gqa and q.is_cuda:  # expanded heads keep SDPA on its fused kernels (no math fallback)
-            ki, vi, gqa = ki.repeat_interleave(nh // nkv, dim=1), vi.repeat_interleave(nh // nkv, dim=1), False
+            ki, vi, gqa = (
+                ki.repeat_interleave(nh // nkv, dim=1),
+                vi.repeat_interleave(nh // nkv, dim=1),
+                False,
+            )
         o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0),
-            vi.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+            q[s:e].transpose(0, 1).unsqueeze(0),
+            ki.transpose(0, 1).unsqueeze(0),
+            vi.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )
         out[s:e] = o.squeeze(0).transpose(0, 1)
     return out
 
 
 class Attention(nn.Module):
-    def __init__(self, layer: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 qkv_bias: bool, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layer: int,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
-        self.qkv = GroupedLinear(layer, "qkv", hidden, [self.q_size, self.kv_size, self.kv_size],
-                                 qkv_bias, dtype, device)
+        self.qkv = GroupedLinear(
+            layer, "qkv", hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias, dtype, device
+        )
         self.o = GroupedLinear(layer, "o", self.q_size, [hidden], False, dtype, device)
         # set by the model runner once the cache is allocated
         self.k_cache: torch.Tensor | None = None
@@ -108,12 +143,20 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv(x, batch)
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.fused:  # one kernel: rotate q, k and write k, v to the cache
-            from inference_worker.model.fused_ops import rope_and_cache
+            from loraserve.inference_worker.model.fused_ops import rope_and_cache
 
-            q, k = rope_and_cache(qkv, cos_sin, batch.slot_mapping, self.k_cache, self.v_cache,
-                                  self.num_heads, self.num_kv_heads, self.head_dim)
+            q, k = rope_and_cache(
+                qkv,
+                cos_sin,
+                batch.slot_mapping,
+                self.k_cache,
+                self.v_cache,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos_sin)
@@ -123,12 +166,19 @@ class Attention(nn.Module):
         if batch.num_decodes == 0:
             out = prefill_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
         elif batch.num_prefills == 0:
-            out = self.decode_attention(q, self.k_cache, self.v_cache, batch.block_tables,
-                                        batch.context_lens, self.scale)
+            out = self.decode_attention(
+                q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale
+            )
         else:
             out = torch.empty_like(q)
             out[:p] = prefill_attention(q[:p], k[:p], v[:p], self.k_cache, self.v_cache, batch, self.scale)
             np_ = batch.num_prefills
-            out[p:] = self.decode_attention(q[p:], self.k_cache, self.v_cache, batch.block_tables[np_:],
-                                            batch.context_lens[np_:], self.scale)
+            out[p:] = self.decode_attention(
+                q[p:],
+                self.k_cache,
+                self.v_cache,
+                batch.block_tables[np_:],
+                batch.context_lens[np_:],
+                self.scale,
+            )
         return self.o(out.reshape(t, self.q_size), batch)

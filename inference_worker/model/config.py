@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.inference_worker.errors import WorkerError
+
 # architectures -> whether q/k/v carry a bias regardless of `attention_bias`
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": False,
@@ -15,8 +17,10 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(WorkerError, ValueError):
     """The checkpoint directory is missing a file or describes a model this worker cannot run."""
+
+    code = "FAILED_PRECONDITION"
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,33 @@ TILE = 64
 
 
 @triton.jit
-def _decode_part_kernel(Q, K, V, BT, CL, M, L, ACC, scale,
-                        s_qb, s_qh, s_kb, s_ks, s_kh, s_btb, s_mb, s_mh, s_mp,
-                        GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                        PART_: tl.constexpr, TILE_: tl.constexpr, IEEE: tl.constexpr):
+def _decode_part_kernel(
+    Q,
+    K,
+    V,
+    BT,
+    CL,
+    M,
+    L,
+    ACC,
+    scale,
+    s_qb,
+    s_qh,
+    s_kb,
+    s_ks,
+    s_kh,
+    s_btb,
+    s_mb,
+    s_mh,
+    s_mp,
+    GROUP: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    PART_: tl.constexpr,
+    TILE_: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
@@ -37,8 +60,11 @@ def _decode_part_kernel(Q, K, V, BT, CL, M, L, ACC, scale,
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         gmask = offs_g < GROUP
-        q = tl.load(Q + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
-                    mask=gmask[:, None], other=0.0)
+        q = tl.load(
+            Q + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
+            mask=gmask[:, None],
+            other=0.0,
+        )
         m = tl.full([GP], -1e30, tl.float32)
         lsum = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -72,8 +98,22 @@ def _decode_part_kernel(Q, K, V, BT, CL, M, L, ACC, scale,
 
 
 @triton.jit
-def _decode_reduce_kernel(M, L, ACC, CL, Out, s_mb, s_mh, s_mp, s_ob, s_oh,
-                          GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PART_: tl.constexpr):
+def _decode_reduce_kernel(
+    M,
+    L,
+    ACC,
+    CL,
+    Out,
+    s_mb,
+    s_mh,
+    s_mp,
+    s_ob,
+    s_oh,
+    GROUP: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    PART_: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(CL + b)
@@ -96,13 +136,21 @@ def _decode_reduce_kernel(M, L, ACC, CL, Out, s_mb, s_mh, s_mp, s_ob, s_oh,
         m = m_new
     out = acc / lsum[:, None]
     gmask = offs_g < GROUP
-    tl.store(Out + b * s_ob + (h * GROUP + offs_g)[:, None] * s_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=gmask[:, None])
+    tl.store(
+        Out + b * s_ob + (h * GROUP + offs_g)[:, None] * s_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=gmask[:, None],
+    )
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q: [B, nh, d], k_cache/v_cache: [num_blocks, bs, nkv, d], block_tables: [B, max_blocks] int32,
     context_lens: [B] int32 (each >= 1) -> out [B, nh, d]."""
     b, nh, d = q.shape
@@ -120,11 +168,48 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     acc = torch.empty((b, nkv, max_parts, gp, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     _decode_part_kernel[(b, nkv, max_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, m, lsum, acc, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), m.stride(0), m.stride(1), m.stride(2),
-        GROUP=group, GP=gp, D=d, BS=bs, PART_=PART, TILE_=TILE, IEEE=q.dtype == torch.float32, num_warps=4)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        m,
+        lsum,
+        acc,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        m.stride(0),
+        m.stride(1),
+        m.stride(2),
+        GROUP=group,
+        GP=gp,
+        D=d,
+        BS=bs,
+        PART_=PART,
+        TILE_=TILE,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
     _decode_reduce_kernel[(b, nkv)](
-        m, lsum, acc, context_lens, out, m.stride(0), m.stride(1), m.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, GP=gp, D=d, PART_=PART, num_warps=4)
+        m,
+        lsum,
+        acc,
+        context_lens,
+        out,
+        m.stride(0),
+        m.stride(1),
+        m.stride(2),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GP=gp,
+        D=d,
+        PART_=PART,
+        num_warps=4,
+    )
     return out

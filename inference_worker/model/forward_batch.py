@@ -12,8 +12,9 @@ segment of `query_lens[i]` tokens per prefilling sequence), then one token per d
     query_start    [S + 1]     offsets of each sequence's tokens in the flat batch (CPU list)
     logits_indices [N] int64   rows whose next-token logits are needed (last token of a segment)
 
-`lora` is whatever the adapter manager built for this step (None: no adapter in the batch); the
-grouped projections pass it to their `lora.apply`. Nothing here is module-global.
+`lora` is the step's `kernels.LoRABatch` (its rows grouped by slot; None: no adapter in the batch),
+built from `token_slots` by the engine's adapters; the grouped projections pass it to their
+`lora.apply`. Nothing here is module-global.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from loraserve.kernels import LoRABatch
 
 
 @dataclass
@@ -38,7 +41,7 @@ class ForwardBatch:
     query_start: list[int] = field(default_factory=list)  # [S + 1], host ints
     context_lens_cpu: list[int] = field(default_factory=list)  # [S], host ints
     seq_slots: list[int] = field(default_factory=list)  # [S] LoRA slot per sequence (-1 base)
-    lora: object | None = None
+    lora: LoRABatch | None = None
     # causal masks of the prefill segments that attend to a cached prefix, by segment index;
     # built by the first attention layer, reused by the others
     prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -32,21 +32,32 @@ def _rms_norm_kernel(X, R, W, Y, RO, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.co
     tl.store(Y + row * H + offs, w * y, mask=m)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     t, h = x.shape
     x = x.contiguous()
     y = torch.empty_like(x)
     ro = torch.empty_like(x) if residual is not None else None
-    _rms_norm_kernel[(t,)](x, residual.contiguous() if residual is not None else x, weight, y,
-                           ro if ro is not None else y, h, eps, HAS_RES=residual is not None,
-                           BLOCK=triton.next_power_of_2(h), num_warps=8 if h >= 4096 else 4)
+    _rms_norm_kernel[(t,)](
+        x,
+        residual.contiguous() if residual is not None else x,
+        weight,
+        y,
+        ro if ro is not None else y,
+        h,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=triton.next_power_of_2(h),
+        num_warps=8 if h >= 4096 else 4,
+    )
     return y, ro
 
 
 @triton.jit
-def _rope_cache_kernel(QKV, CS, SLOT, QO, KO, KC, VC, s_qkv, s_cs, NH, NKV,
-                       D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr):
+def _rope_cache_kernel(
+    QKV, CS, SLOT, QO, KO, KC, VC, s_qkv, s_cs, NH, NKV, D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF)
     hs = tl.arange(0, BH)
@@ -80,16 +91,39 @@ def _rope_cache_kernel(QKV, CS, SLOT, QO, KO, KC, VC, s_qkv, s_cs, NH, NKV,
     tl.store(vc + HALF, tl.load(vb + hs[:, None] * D + HALF + j[None, :], mask=mk, other=0.0), mask=mk)
 
 
-def rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_and_cache(
+    qkv: torch.Tensor,
+    cos_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     t = qkv.shape[0]
-    assert qkv.stride(1) == 1 and cos_sin.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert (
+        qkv.stride(1) == 1 and cos_sin.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    )
     q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((t, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    _rope_cache_kernel[(t,)](qkv, cos_sin, slot_mapping, q, k, k_cache, v_cache, qkv.stride(0), cos_sin.stride(0),
-                             num_heads, num_kv_heads, D=head_dim, HALF=head_dim // 2,
-                             BH=triton.next_power_of_2(max(num_heads, num_kv_heads)), num_warps=4)
+    _rope_cache_kernel[(t,)](
+        qkv,
+        cos_sin,
+        slot_mapping,
+        q,
+        k,
+        k_cache,
+        v_cache,
+        qkv.stride(0),
+        cos_sin.stride(0),
+        num_heads,
+        num_kv_heads,
+        D=head_dim,
+        HALF=head_dim // 2,
+        BH=triton.next_power_of_2(max(num_heads, num_kv_heads)),
+        num_warps=4,
+    )
     return q, k
 
 

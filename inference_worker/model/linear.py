@@ -1,6 +1,7 @@
-"""One projection per adapter-layout group (clients/adapter_layout.py GROUPS): qkv (q|k|v fused),
+"""One projection per adapter-layout group (loraserve/contract/adapter_layout.py GROUPS): qkv (q|k|v fused),
 o, gate_up (gate|up fused), down. The LoRA code attaches an object to `lora` by (layer, group);
-its `apply(x, y, ctx_lora)` adds the per-row adapter delta to `y` in place."""
+its `apply(x, y, lora)` adds the per-row adapter delta to `y` in place, rows grouped by the step's
+`LoRABatch`."""
 
 from __future__ import annotations
 
@@ -10,25 +11,38 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from inference_worker.model.forward_batch import ForwardBatch
+from loraserve.inference_worker.model.forward_batch import ForwardBatch
+from loraserve.kernels import LoRABatch
 
 
 class LoraDelta(Protocol):
-    def apply(self, x: torch.Tensor, y: torch.Tensor, ctx_lora: object) -> None:
+    def apply(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch) -> None:
         """x: [T, in_features], y: [T, out_total]; y += delta of each row's adapter."""
 
 
 class GroupedLinear(nn.Module):
-    def __init__(self, layer: int, group: str, in_features: int, out_sizes: list[int], bias: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layer: int,
+        group: str,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
         self.layer, self.group = layer, group
         self.in_features, self.out_sizes = in_features, list(out_sizes)
         out_total = sum(out_sizes)
-        self.weight = nn.Parameter(torch.empty(out_total, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out_total, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
+        self.weight = nn.Parameter(
+            torch.empty(out_total, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_total, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
         self.lora: LoraDelta | None = None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from inference_worker.model.attention import Attention
-from inference_worker.model.config import ModelConfig, rope_inv_freq
-from inference_worker.model.forward_batch import ForwardBatch
-from inference_worker.model.linear import GroupedLinear
-from inference_worker.model.rope import rope_cache
+from loraserve.inference_worker.model.attention import Attention
+from loraserve.inference_worker.model.config import ModelConfig, rope_inv_freq
+from loraserve.inference_worker.model.forward_batch import ForwardBatch
+from loraserve.inference_worker.model.linear import GroupedLinear
+from loraserve.inference_worker.model.rope import rope_cache
 
 
 def use_fused_kernels(device: torch.device | str) -> bool:
@@ -29,11 +29,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
         self.fused = use_fused_kernels(device)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual: [T, hidden] -> (norm(x + residual), x + residual); normalised in float32."""
         if self.fused:
-            from inference_worker.model.fused_ops import rms_norm
+            from loraserve.inference_worker.model.fused_ops import rms_norm
 
             y, r = rms_norm(x, self.weight, self.eps, residual)
             return y, (r if r is not None else x)
@@ -45,18 +46,21 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, layer: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self, layer: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up = GroupedLinear(layer, "gate_up", hidden, [intermediate, intermediate], False, dtype, device)
+        self.gate_up = GroupedLinear(
+            layer, "gate_up", hidden, [intermediate, intermediate], False, dtype, device
+        )
         self.down = GroupedLinear(layer, "down", intermediate, [hidden], False, dtype, device)
         self.fused = use_fused_kernels(device)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         gate_up = self.gate_up(x, batch)  # [T, 2I]
         if self.fused:
-            from inference_worker.model.fused_ops import silu_mul
+            from loraserve.inference_worker.model.fused_ops import silu_mul
 
             return self.down(silu_mul(gate_up), batch)
         gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
@@ -68,13 +72,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias,
-                                   dtype, device)
+        self.self_attn = Attention(
+            layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, dtype, device
+        )
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(layer, h, cfg.intermediate_size, dtype, device)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta, residual: the stream so far (None at layer 0) -> (delta, stream)."""
         h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, batch), residual)
@@ -86,18 +92,23 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
         h = cfg.hidden_size
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, h, dtype=dtype, device=device),
-                                         requires_grad=False)
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, h, dtype=dtype, device=device), requires_grad=False
+        )
         # a ModuleList, typed as what it holds
         self.layers: list[DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
-            DecoderLayer(i, cfg, dtype, device) for i in range(cfg.num_layers))
+            DecoderLayer(i, cfg, dtype, device) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else
-                        nn.Parameter(torch.empty(cfg.vocab_size, h, dtype=dtype, device=device),
-                                     requires_grad=False))
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, h, dtype=dtype, device=device), requires_grad=False)
+        )
         self.cos_sin: torch.Tensor  # [max_positions, head_dim] cos | sin
-        self.register_buffer("cos_sin", rope_cache(rope_inv_freq(cfg), cfg.max_position_embeddings, device),
-                             persistent=False)
+        self.register_buffer(
+            "cos_sin", rope_cache(rope_inv_freq(cfg), cfg.max_position_embeddings, device), persistent=False
+        )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> hidden states [T, hidden] after the final norm."""

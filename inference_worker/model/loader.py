@@ -14,17 +14,20 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from clients.adapter_layout import GROUPS
-from inference_worker.model.config import ModelConfig, ModelConfigError
-from inference_worker.model.linear import GroupedLinear
-from inference_worker.model.llama import LlamaModel
+from loraserve.contract.adapter_layout import GROUPS
+from loraserve.inference_worker.model.config import ModelConfig, ModelConfigError
+from loraserve.inference_worker.model.linear import GroupedLinear
+from loraserve.inference_worker.model.llama import LlamaModel
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # the decoder-layer module holding each adapter-layout group
 _GROUP_PARENT = {"qkv": "self_attn", "o": "self_attn", "gate_up": "mlp", "down": "mlp"}
 # HF suffix -> (our parameter path inside the layer, slice index within the fused group)
-_LAYER_PARAMS = {f"{_GROUP_PARENT[g.name]}.{module}": (f"{_GROUP_PARENT[g.name]}.{g.name}", i)
-                 for g in GROUPS for i, module in enumerate(g.slices)}
+_LAYER_PARAMS = {
+    f"{_GROUP_PARENT[g.name]}.{module}": (f"{_GROUP_PARENT[g.name]}.{g.name}", i)
+    for g in GROUPS
+    for i, module in enumerate(g.slices)
+}
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -53,7 +56,7 @@ def _target(model: LlamaModel, name: str) -> tuple[torch.Tensor, int, int]:
         return model.lm_head, 0, cfg.vocab_size
     if name == "model.norm.weight":
         return model.norm.weight, 0, cfg.hidden_size
-    m = _LAYER.match(name)
+    m = _LAYER.fullmatch(name)
     if m and int(m.group(1)) < cfg.num_layers:
         layer = model.layers[int(m.group(1))]
         rest = m.group(2)
@@ -82,15 +85,19 @@ def load_model(directory: str | Path, dtype: torch.dtype, device: torch.device |
     seen: set[tuple[int, int]] = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq") or (
+                    name == "lm_head.weight" and cfg.tie_word_embeddings
+                ):
                     continue
                 param, off, rows = _target(model, name)
                 tensor = f.get_tensor(name)
                 want = (rows, *param.shape[1:])
                 if tuple(tensor.shape) != want:
-                    raise ModelConfigError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
-                param[off:off + rows].copy_(tensor.to(dtype))
+                    raise ModelConfigError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}"
+                    )
+                param[off : off + rows].copy_(tensor.to(dtype))
                 seen.add((id(param), off))
     missing = names.keys() - seen
     if missing:
@@ -100,14 +107,17 @@ def load_model(directory: str | Path, dtype: torch.dtype, device: torch.device |
 
 def _named_targets(model: LlamaModel) -> list[tuple[str, torch.Tensor, int]]:
     cfg = model.config
-    out: list[tuple[str, torch.Tensor, int]] = [("model.embed_tokens.weight", model.embed_tokens, 0),
-                                                ("model.norm.weight", model.norm.weight, 0)]
+    out: list[tuple[str, torch.Tensor, int]] = [
+        ("model.embed_tokens.weight", model.embed_tokens, 0),
+        ("model.norm.weight", model.norm.weight, 0),
+    ]
     if not cfg.tie_word_embeddings:
         out.append(("lm_head.weight", model.lm_head, 0))
     for i in range(cfg.num_layers):
         for hf, _ in _LAYER_PARAMS.items():
-            kinds = ["weight"] + (["bias"] if cfg.qkv_bias and hf.split(".")[-1] in ("q_proj", "k_proj", "v_proj")
-                                  else [])
+            kinds = ["weight"] + (
+                ["bias"] if cfg.qkv_bias and hf.split(".")[-1] in ("q_proj", "k_proj", "v_proj") else []
+            )
             for kind in kinds:
                 name = f"model.layers.{i}.{hf}.{kind}"
                 p, off, _ = _target(model, name)

@@ -2,7 +2,9 @@
 
 Used by the embedded default (`loraserve up`), the tests and the benchmarks. The output is a
 directory `transformers.LlamaForCausalLM.from_pretrained` can read: config.json,
-model.safetensors and tokenizer.json (a byte-level BPE trained here on a built-in text).
+model.safetensors, tokenizer.json (a byte-level BPE trained here on a built-in text, plus ChatML's
+turn tokens), tokenizer_config.json with a ChatML chat template like SmolLM2's, and
+generation_config.json (generation stops at </s> and <|im_end|>).
 """
 
 from __future__ import annotations
@@ -25,6 +27,17 @@ that learned to speak in many voices, one for each adapter it was given.
 """
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# ChatML, as SmolLM2-Instruct writes it (with a shorter default system prompt)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ def build_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.add_special_tokens([IM_START, IM_END])  # after training: the trained ids stay as they were
     return tok
 
 
@@ -127,11 +141,23 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-                    "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2)
+        json.dumps(
+            {
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "pad_token": PAD,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos_id, "eos_token_id": [eos_id, tok.token_to_id(IM_END)]}, indent=2)
     )
     (out / "config.json").write_text(json.dumps(llama_config(spec, vocab_size, bos_id, eos_id), indent=2))
-    save_file(random_llama_weights(spec, vocab_size), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        random_llama_weights(spec, vocab_size), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     (out / "loraserve-spec.json").write_text(json.dumps(asdict(spec), indent=2))
     return out

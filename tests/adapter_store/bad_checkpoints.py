@@ -46,7 +46,7 @@ def write_raw_safetensors(path: Path, header: dict, data: bytes) -> None:
 def raw_header(d: Path) -> tuple[dict, bytes]:
     blob = (d / WEIGHTS).read_bytes()
     n = struct.unpack("<Q", blob[:8])[0]
-    return json.loads(blob[8:8 + n]), blob[8 + n:]
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
 
 
 def set_nan(d: Path, value: float) -> str:

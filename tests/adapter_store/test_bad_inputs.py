@@ -5,32 +5,18 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from loraserve.v1 import store_pb2, store_pb2_grpc
 
-from clients.adapter_fetch import fetch_adapter
+from loraserve.clients.adapter_fetch import fetch_adapter
+from loraserve.v1 import store_pb2, store_pb2_grpc
 from tests.adapter_store import bad_checkpoints as bad
+from tests.helpers.store_calls import expect_error, register
 
 C = grpc.StatusCode
-
-
-def register(stub, adapter_id: str, source: str, overwrite: bool = False):
-    return stub.RegisterAdapter(store_pb2.RegisterAdapterRequest(adapter_id=adapter_id, source=source,
-                                                                 overwrite=overwrite))
-
-
-def expect_error(call: Callable[[], object], code: grpc.StatusCode, *fragments: str) -> str:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    assert err.value.code() == code, err.value.details()
-    for f in fragments:
-        assert f in err.value.details(), (f, err.value.details())
-    return err.value.details()
 
 
 def still_serving(stub) -> None:
@@ -133,12 +119,16 @@ def _overlap(root: Path) -> str:
     header, data = bad.raw_header(d)
     names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
     a, b = names[0], names[1]
-    if header[a]["data_offsets"][1] - header[a]["data_offsets"][0] == \
-            header[b]["data_offsets"][1] - header[b]["data_offsets"][0]:
+    if (
+        header[a]["data_offsets"][1] - header[a]["data_offsets"][0]
+        == header[b]["data_offsets"][1] - header[b]["data_offsets"][0]
+    ):
         header[b]["data_offsets"] = list(header[a]["data_offsets"])
     else:
-        header[b]["data_offsets"] = [header[a]["data_offsets"][0], header[a]["data_offsets"][0]
-                                     + header[b]["data_offsets"][1] - header[b]["data_offsets"][0]]
+        header[b]["data_offsets"] = [
+            header[a]["data_offsets"][0],
+            header[a]["data_offsets"][0] + header[b]["data_offsets"][1] - header[b]["data_offsets"][0],
+        ]
     bad.write_raw_safetensors(d / bad.WEIGHTS, header, data)
     return "overlap"
 
@@ -256,7 +246,12 @@ CASES = [
     ("truncated", _truncated, C.INVALID_ARGUMENT, ["lora_", "truncated or corrupt"]),
     ("header-cut", _header_cut, C.INVALID_ARGUMENT, ["header claims", "truncated or corrupt"]),
     ("corrupt-header", _corrupt_header, C.INVALID_ARGUMENT, ["header"]),
-    ("huge-tensor", _huge_tensor, C.INVALID_ARGUMENT, ["lora_A.weight", "claims 281474976710656 bytes", "file holds only"]),
+    (
+        "huge-tensor",
+        _huge_tensor,
+        C.INVALID_ARGUMENT,
+        ["lora_A.weight", "claims 281474976710656 bytes", "file holds only"],
+    ),
     ("offsets-beyond-file", _offsets_beyond, C.INVALID_ARGUMENT, ["lora_A.weight", "outside the"]),
     ("overlapping", _overlap, C.INVALID_ARGUMENT, ["overlap"]),
     ("nan", _nan, C.INVALID_ARGUMENT, ["lora_B.weight", "NaN or Inf"]),
@@ -266,7 +261,12 @@ CASES = [
     ("config-not-json", _bad_config_json, C.INVALID_ARGUMENT, ["adapter_config.json", "not valid JSON"]),
     ("pattern-not-regex", _bad_pattern_regex, C.INVALID_ARGUMENT, ["rank_pattern key '(v_proj'"]),
     ("dora", _dora, C.FAILED_PRECONDITION, ["DoRA"]),
-    ("pissa-init", _pissa, C.FAILED_PRECONDITION, ["init_lora_weights='pissa_niter_4'", "base model's weights"]),
+    (
+        "pissa-init",
+        _pissa,
+        C.FAILED_PRECONDITION,
+        ["init_lora_weights='pissa_niter_4'", "base model's weights"],
+    ),
     ("qalora", _qalora, C.FAILED_PRECONDITION, ["use_qalora"]),
     ("other-peft-type", _other_peft_type, C.FAILED_PRECONDITION, ["peft_type 'IA3'"]),
     ("modules-to-save", _modules_to_save, C.FAILED_PRECONDITION, ["modules_to_save", "lm_head"]),
@@ -277,8 +277,12 @@ CASES = [
     ("traversal-nested", _traversal_nested, C.INVALID_ARGUMENT, ["outside the adapter root"]),
     ("absolute-outside", _absolute_outside, C.INVALID_ARGUMENT, ["'/etc'", "outside the adapter root"]),
     ("symlink-dir-out", _symlink_dir, C.INVALID_ARGUMENT, ["'link-out'", "outside the adapter root"]),
-    ("symlink-file-out", _symlink_file, C.INVALID_ARGUMENT, ["adapter_model.safetensors", "symlink",
-                                                              "leaves the adapter root"]),
+    (
+        "symlink-file-out",
+        _symlink_file,
+        C.INVALID_ARGUMENT,
+        ["adapter_model.safetensors", "symlink", "leaves the adapter root"],
+    ),
     ("unknown-scheme", _unknown_scheme, C.INVALID_ARGUMENT, ["only s3:// URLs"]),
 ]
 
@@ -287,28 +291,39 @@ CASES = [
 def test_bad_checkpoint(setup, code, fragments, good_stub, adapter_root: Path) -> None:
     source = setup(adapter_root)
     expect_error(lambda: register(good_stub, "candidate", source), code, *fragments)
-    expect_error(lambda: good_stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="candidate")), C.NOT_FOUND)
+    expect_error(
+        lambda: good_stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="candidate")), C.NOT_FOUND
+    )
     still_serving(good_stub)
 
 
 @pytest.mark.parametrize("adapter_id", ["", "-lead", "has/slash", "../etc", "a..b", "x" * 129, "sp ace", "é"])
 def test_malformed_ids(adapter_id: str, good_stub) -> None:
-    expect_error(lambda: register(good_stub, adapter_id, "peft-qv-r8"), C.INVALID_ARGUMENT, "adapter id", "malformed")
-    expect_error(lambda: good_stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id=adapter_id)),
-                 C.INVALID_ARGUMENT, "adapter id")
+    expect_error(
+        lambda: register(good_stub, adapter_id, "peft-qv-r8"), C.INVALID_ARGUMENT, "adapter id", "malformed"
+    )
+    expect_error(
+        lambda: good_stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id=adapter_id)),
+        C.INVALID_ARGUMENT,
+        "adapter id",
+    )
     still_serving(good_stub)
 
 
 def test_unknown_adapter(good_stub) -> None:
-    for call in (lambda: good_stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="nope")),
-                 lambda: good_stub.DeleteAdapter(store_pb2.DeleteAdapterRequest(adapter_id="nope")),
-                 lambda: fetch_adapter(good_stub, "nope")):
+    for call in (
+        lambda: good_stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="nope")),
+        lambda: good_stub.DeleteAdapter(store_pb2.DeleteAdapterRequest(adapter_id="nope")),
+        lambda: fetch_adapter(good_stub, "nope"),
+    ):
         expect_error(call, C.NOT_FOUND, "'nope'", "not registered")
     still_serving(good_stub)
 
 
 def test_id_taken_then_overwrite(good_stub) -> None:
-    expect_error(lambda: register(good_stub, "good", "peft-all-r16-rslora"), C.ALREADY_EXISTS, "'good'", "overwrite")
+    expect_error(
+        lambda: register(good_stub, "good", "peft-all-r16-rslora"), C.ALREADY_EXISTS, "'good'", "overwrite"
+    )
     old = good_stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="good"))
     new = register(good_stub, "good", "peft-all-r16-rslora", overwrite=True)
     assert new.digest != old.digest and new.rank == 16
@@ -319,8 +334,12 @@ def test_rank_over_limit(start_store) -> None:
     store = start_store(max_lora_rank=8)
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
-        expect_error(lambda: register(stub, "big", "peft-all-r16-rslora"), C.INVALID_ARGUMENT,
-                     "rank 16", "exceeds max_lora_rank 8")
+        expect_error(
+            lambda: register(stub, "big", "peft-all-r16-rslora"),
+            C.INVALID_ARGUMENT,
+            "rank 16",
+            "exceeds max_lora_rank 8",
+        )
         assert register(stub, "ok", "peft-qv-r8").rank == 8
 
 
@@ -331,8 +350,12 @@ def test_other_base_model(start_store, make_demo, adapter_root: Path) -> None:
     store = start_store(check_base_model=True)
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
-        expect_error(lambda: register(stub, "x", "other-base"), C.FAILED_PRECONDITION,
-                     "'meta-llama/Llama-3.1-8B'", "tiny-llama")
+        expect_error(
+            lambda: register(stub, "x", "other-base"),
+            C.FAILED_PRECONDITION,
+            "'meta-llama/Llama-3.1-8B'",
+            "tiny-llama",
+        )
         assert register(stub, "y", "same-base").base_model == "/models/tiny-llama"
 
 
@@ -340,21 +363,37 @@ def test_size_and_count_limits(start_store) -> None:
     store = start_store(max_adapter_bytes=1000, max_tensors=3)
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
-        expect_error(lambda: register(stub, "x", "peft-qv-r8"), C.INVALID_ARGUMENT,
-                     "adapter_model.safetensors is", "over the limit of 1000")
+        expect_error(
+            lambda: register(stub, "x", "peft-qv-r8"),
+            C.INVALID_ARGUMENT,
+            "adapter_model.safetensors is",
+            "over the limit of 1000",
+        )
     store = start_store(max_tensors=3)
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
-        expect_error(lambda: register(stub, "x", "peft-qv-r8"), C.INVALID_ARGUMENT, "holds 8 tensors",
-                     "limit of 3")
+        expect_error(
+            lambda: register(stub, "x", "peft-qv-r8"), C.INVALID_ARGUMENT, "holds 8 tensors", "limit of 3"
+        )
 
 
 def test_fetch_offset_and_page_token(good_stub) -> None:
     info = good_stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="good"))
-    expect_error(lambda: list(good_stub.FetchAdapter(store_pb2.FetchAdapterRequest(
-        adapter_id="good", offset=info.size_bytes + 1))), C.INVALID_ARGUMENT, "offset", "outside the payload")
-    expect_error(lambda: good_stub.ListAdapters(store_pb2.ListAdaptersRequest(page_token="!!!")),
-                 C.INVALID_ARGUMENT, "page_token")
+    expect_error(
+        lambda: list(
+            good_stub.FetchAdapter(
+                store_pb2.FetchAdapterRequest(adapter_id="good", offset=info.size_bytes + 1)
+            )
+        ),
+        C.INVALID_ARGUMENT,
+        "offset",
+        "outside the payload",
+    )
+    expect_error(
+        lambda: good_stub.ListAdapters(store_pb2.ListAdaptersRequest(page_token="!!!")),
+        C.INVALID_ARGUMENT,
+        "page_token",
+    )
     still_serving(good_stub)
 
 

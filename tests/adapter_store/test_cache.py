@@ -8,11 +8,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from loraserve.v1 import store_pb2_grpc
 
-from clients.adapter_fetch import fetch_adapter
+from loraserve.clients.adapter_fetch import fetch_adapter
+from loraserve.v1 import store_pb2_grpc
 from tests.adapter_store import bad_checkpoints as bad
-from tests.adapter_store.test_bad_inputs import expect_error, register
+from tests.helpers.store_calls import expect_error, register
 
 
 def _value(store, name: str, labels: dict | None = None) -> float:
@@ -62,8 +62,13 @@ def test_changed_source_is_data_loss(start_store, adapter_root: Path) -> None:
         register(stub, "other", "peft-patterns")  # evicts "mutable"
         name = bad.first_name(adapter_root / "mutable", "lora_B.weight")
         bad.edit_tensors(adapter_root / "mutable", lambda t: t.__setitem__(name, t[name] * 2))
-        expect_error(lambda: fetch_adapter(stub, "mutable"), grpc.StatusCode.DATA_LOSS,
-                     "'mutable'", info.digest, "changed since registration")
+        expect_error(
+            lambda: fetch_adapter(stub, "mutable"),
+            grpc.StatusCode.DATA_LOSS,
+            "'mutable'",
+            info.digest,
+            "changed since registration",
+        )
         assert fetch_adapter(stub, "other").rank == 8
         fixed = register(stub, "mutable", "mutable", overwrite=True)
         assert fixed.digest != info.digest and fetch_adapter(stub, "mutable").digest == fixed.digest
@@ -96,7 +101,10 @@ def test_single_flight_fetch_after_eviction(start_store) -> None:
     assert len({id(o.payload) for _, o in results}) == 1
     assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 1
     # callers that looked after the rebuild finished find it cached: hits + misses = 8, one build
-    hits, misses = _value(store, "loraserve_store_cache_hits_total"), _value(store, "loraserve_store_cache_misses_total")
+    hits, misses = (
+        _value(store, "loraserve_store_cache_hits_total"),
+        _value(store, "loraserve_store_cache_misses_total"),
+    )
     assert hits + misses == 8 and misses >= 1 and len(service.flight) == 0
 
 
@@ -109,7 +117,7 @@ def test_concurrent_grpc_fetches_share_one_rebuild(start_store) -> None:
 
     async def many():
         async with grpc.aio.insecure_channel(store.address) as ch:
-            from clients.adapter_fetch import fetch_adapter_async
+            from loraserve.clients.adapter_fetch import fetch_adapter_async
 
             stub = store_pb2_grpc.AdapterStoreStub(ch)
             return await asyncio.gather(*[fetch_adapter_async(stub, "x") for _ in range(6)])
@@ -132,14 +140,17 @@ def test_cache_bounds_hold(start_store, count: int, budget: int) -> None:
 
 
 def test_registration_queue_is_bounded(start_store) -> None:
-    from adapter_store.errors import ResourceExhausted
+    from loraserve.adapter_store.errors import ResourceExhausted
 
     store = start_store(max_pending_registrations=1)
     service = store.service
 
     async def two():
-        return await asyncio.gather(service.register("a", "peft-qv-r8", False),
-                                    service.register("b", "peft-patterns", False), return_exceptions=True)
+        return await asyncio.gather(
+            service.register("a", "peft-qv-r8", False),
+            service.register("b", "peft-patterns", False),
+            return_exceptions=True,
+        )
 
     first, second = store.call(two())
     assert first.adapter_id == "a"

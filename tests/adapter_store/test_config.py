@@ -4,29 +4,39 @@ from __future__ import annotations
 
 import pytest
 
-from adapter_store.config import StoreConfig
+from loraserve.adapter_store.config import StoreConfig
 
 
 def test_flags_beat_env_beat_defaults() -> None:
-    env = {"LORASERVE_BASE_MODEL": "/m", "LORASERVE_PORT": "7000", "LORASERVE_MAX_LORA_RANK": "32",
-           "LORASERVE_CHECK_BASE_MODEL": "true", "LORASERVE_REDIS_URL": "redis://r:6379/0",
-           "LORASERVE_ADMIN_TOKEN": "zz-secret"}
+    env = {
+        "LORASERVE_BASE_MODEL": "/m",
+        "LORASERVE_PORT": "7000",
+        "LORASERVE_MAX_LORA_RANK": "32",
+        "LORASERVE_CHECK_BASE_MODEL": "true",
+        "LORASERVE_REDIS_URL": "redis://r:6379/0",
+        "LORASERVE_ADMIN_TOKEN": "zz-secret",
+    }
     cfg = StoreConfig.from_args(["--port", "7001", "--no-check-base-model", "--cache-max-bytes", "1000"], env)
     assert (cfg.base_model, cfg.port, cfg.max_lora_rank, cfg.check_base_model) == ("/m", 7001, 32, False)
-    assert cfg.redis_url == "redis://r:6379/0" and cfg.admin_token == "zz-secret" and cfg.cache_max_bytes == 1000
+    assert (
+        cfg.redis_url == "redis://r:6379/0" and cfg.admin_token == "zz-secret" and cfg.cache_max_bytes == 1000
+    )
     assert cfg.serving_dtype == "bfloat16" and cfg.metrics_port is None
     assert "zz-secret" not in repr(cfg)
 
 
-@pytest.mark.parametrize("changes,problem", [
-    ({"base_model": ""}, "base_model is required"),
-    ({"chunk_bytes": 2 << 20}, "chunk_bytes"),
-    ({"serving_dtype": "int8"}, "serving_dtype"),
-    ({"tls_cert": "c.pem"}, "tls_cert and tls_key"),
-    ({"cache_max_adapters": 0}, "cache_max_adapters must be positive"),
-    ({"port": 70000}, "port 70000"),
-    ({"redis_prefix": "a b"}, "redis_prefix"),
-])
+@pytest.mark.parametrize(
+    "changes,problem",
+    [
+        ({"base_model": ""}, "base_model is required"),
+        ({"chunk_bytes": 2 << 20}, "chunk_bytes"),
+        ({"serving_dtype": "int8"}, "serving_dtype"),
+        ({"tls_cert": "c.pem"}, "tls_cert and tls_key"),
+        ({"cache_max_adapters": 0}, "cache_max_adapters must be positive"),
+        ({"port": 70000}, "port 70000"),
+        ({"redis_prefix": "a b"}, "redis_prefix"),
+    ],
+)
 def test_invariants(changes: dict, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         StoreConfig(**{"base_model": "/m", **changes})

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from adapter_store.checkpoint import read_checkpoint
-from adapter_store.demo import DemoAdapterSpec, write_peft_adapter
-from adapter_store.errors import InvalidArgument, StoreError
-from adapter_store.optimize import optimize
-from adapter_store.validate import Limits, validate
+from loraserve.adapter_store.checkpoint import read_checkpoint
+from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter
+from loraserve.adapter_store.errors import InvalidArgument, StoreError
+from loraserve.adapter_store.optimize import optimize
+from loraserve.adapter_store.validate import Limits, validate
 
 CASES = 400
 
@@ -23,20 +23,46 @@ CASES = 400
 @pytest.fixture(scope="module")
 def valid(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, bytes, bytes]:
     base = json.loads((tiny_model_dir / "config.json").read_text())
-    spec = DemoAdapterSpec("fuzz", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down_proj"),
-                           rank_pattern={"down_proj": 2})
+    spec = DemoAdapterSpec(
+        "fuzz",
+        r=4,
+        lora_alpha=8,
+        target_modules=("q_proj", "v_proj", "down_proj"),
+        rank_pattern={"down_proj": 2},
+    )
     d = write_peft_adapter(tmp_path_factory.mktemp("fuzz"), base, spec)
     return base, (d / "adapter_config.json").read_bytes(), (d / "adapter_model.safetensors").read_bytes()
 
 
-_ODD_VALUES = [None, -1, 0, 1, 3, 10**12, 1e308, float("nan"), "x", "", [], {}, [1, 2], {"a": 1}, True, "F16",
-               "BF16", "I64", "q_proj", ["lm_head"], ["q_proj", 7]]
+_ODD_VALUES = [
+    None,
+    -1,
+    0,
+    1,
+    3,
+    10**12,
+    1e308,
+    float("nan"),
+    "x",
+    "",
+    [],
+    {},
+    [1, 2],
+    {"a": 1},
+    True,
+    "F16",
+    "BF16",
+    "I64",
+    "q_proj",
+    ["lm_head"],
+    ["q_proj", 7],
+]
 
 
 def _mutate_header(weights: bytes, rng: random.Random) -> bytes:
     (n,) = struct.unpack("<Q", weights[:8])
-    header = json.loads(weights[8:8 + n])
-    body = weights[8 + n:]
+    header = json.loads(weights[8 : 8 + n])
+    body = weights[8 + n :]
     name = rng.choice([k for k in header if k != "__metadata__"])
     field = rng.choice(["dtype", "shape", "data_offsets", "extra", "rename", "drop"])
     if field == "rename":
@@ -58,9 +84,24 @@ def _mutate_header(weights: bytes, rng: random.Random) -> bytes:
 
 def _mutate_config(config: bytes, rng: random.Random) -> bytes:
     cfg = json.loads(config)
-    key = rng.choice(["r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "use_rslora",
-                      "peft_type", "layers_to_transform", "use_dora", "modules_to_save", "fan_in_fan_out",
-                      "init_lora_weights", "base_model_name_or_path", "bias"])
+    key = rng.choice(
+        [
+            "r",
+            "lora_alpha",
+            "target_modules",
+            "rank_pattern",
+            "alpha_pattern",
+            "use_rslora",
+            "peft_type",
+            "layers_to_transform",
+            "use_dora",
+            "modules_to_save",
+            "fan_in_fan_out",
+            "init_lora_weights",
+            "base_model_name_or_path",
+            "bias",
+        ]
+    )
     if rng.random() < 0.15:
         cfg.pop(key, None)
     else:
@@ -102,7 +143,7 @@ def test_mutated_checkpoints_fail_cleanly(valid: tuple[dict, bytes, bytes]) -> N
         except StoreError as exc:
             assert str(exc), f"case {case}: empty message"
             outcomes["refused"] += 1
-        except Exception as exc:  # noqa: BLE001 - the point of the test
+        except Exception as exc:
             pytest.fail(f"case {case} ({['header', 'config', 'bytes'][choice]}): {type(exc).__name__}: {exc}")
     assert outcomes["refused"] > CASES // 2 and outcomes["built"] > 0, outcomes
 

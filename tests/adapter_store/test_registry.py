@@ -7,18 +7,30 @@ from pathlib import Path
 
 import grpc
 import pytest
-from loraserve.v1 import store_pb2, store_pb2_grpc
 
-from adapter_store.errors import AlreadyExists
-from adapter_store.registry import AdapterRecord, SqliteRegistry
-from clients.adapter_fetch import fetch_adapter
-from tests.adapter_store.test_bad_inputs import register
+from loraserve.adapter_store.errors import AlreadyExists
+from loraserve.adapter_store.registry import AdapterRecord, SqliteRegistry
+from loraserve.clients.adapter_fetch import fetch_adapter
+from loraserve.v1 import store_pb2, store_pb2_grpc
+from tests.helpers.store_calls import register
 
 
 def _record(adapter_id: str, digest: str = "d" * 64) -> AdapterRecord:
-    return AdapterRecord(adapter_id=adapter_id, source=adapter_id, digest=digest, rank=8, lora_alpha=16.0,
-                         use_rslora=False, target_modules=["q_proj"], dtype="bfloat16", size_bytes=10,
-                         base_model="", layout_version=1, num_tensors=2, rank_pattern={"v_proj": 4})
+    return AdapterRecord(
+        adapter_id=adapter_id,
+        source=adapter_id,
+        digest=digest,
+        rank=8,
+        lora_alpha=16.0,
+        use_rslora=False,
+        target_modules=["q_proj"],
+        dtype="bfloat16",
+        size_bytes=10,
+        base_model="",
+        layout_version=1,
+        num_tensors=2,
+        rank_pattern={"v_proj": 4},
+    )
 
 
 @pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
@@ -26,7 +38,7 @@ def registry(request, tmp_path: Path):
     if request.param == "sqlite":
         reg = SqliteRegistry(tmp_path / "r.sqlite3")
     else:
-        from adapter_store.registry_redis import RedisRegistry
+        from loraserve.adapter_store.registry_redis import RedisRegistry
 
         url = request.getfixturevalue("redis_url")
         reg = RedisRegistry(url, request.getfixturevalue("redis_prefix"))
@@ -55,7 +67,7 @@ def test_registry_contract(registry) -> None:
 def test_redis_events_and_prefix(redis_url: str, redis_prefix: str) -> None:
     import redis
 
-    from adapter_store.registry_redis import RedisRegistry
+    from loraserve.adapter_store.registry_redis import RedisRegistry
 
     reg = RedisRegistry(redis_url, redis_prefix)
     reg.put(_record("x"), overwrite=False)
@@ -63,8 +75,10 @@ def test_redis_events_and_prefix(redis_url: str, redis_prefix: str) -> None:
     reg.delete("x")
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     events = [fields for _, fields in client.xrange(f"{redis_prefix}events")]
-    assert events == [{"event": "replaced", "adapter_id": "x", "digest": "f" * 64},
-                      {"event": "deleted", "adapter_id": "x"}]
+    assert events == [
+        {"event": "replaced", "adapter_id": "x", "digest": "f" * 64},
+        {"event": "deleted", "adapter_id": "x"},
+    ]
     assert all(k.startswith(redis_prefix) for k in client.scan_iter(match=f"{redis_prefix}*"))
     client.close()
     reg.close()
@@ -91,16 +105,20 @@ def test_sqlite_registry_survives_restart(start_store) -> None:
 
 
 @pytest.mark.redis
-def test_redis_registry_survives_restart(start_store, redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+def test_redis_registry_survives_restart(
+    start_store, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
     cfg = {"redis_url": redis_url, "redis_prefix": redis_prefix}
     # a different data dir the second time: the adapters can only come from Redis
-    _restart_roundtrip(start_store, {**cfg, "data_dir": str(tmp_path / "one")}, {**cfg, "data_dir": str(tmp_path / "two")})
+    _restart_roundtrip(
+        start_store, {**cfg, "data_dir": str(tmp_path / "one")}, {**cfg, "data_dir": str(tmp_path / "two")}
+    )
 
 
 def test_redis_unreachable_is_unavailable() -> None:
-    from adapter_store.errors import Unavailable
-    from adapter_store.registry_redis import RedisRegistry
-    from tests.conftest import free_port
+    from loraserve.adapter_store.errors import Unavailable
+    from loraserve.adapter_store.registry_redis import RedisRegistry
+    from tests.helpers.ports import free_port
 
     reg = RedisRegistry(f"redis://127.0.0.1:{free_port()}/0", "loraserve-test:")
     with pytest.raises(Unavailable, match="registry \\(Redis\\) unreachable"):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import boto3
 import grpc
 import pytest
-from loraserve.v1 import store_pb2, store_pb2_grpc
 
-from clients.adapter_fetch import fetch_adapter
-from tests.adapter_store.test_bad_inputs import expect_error, register
-from tests.conftest import free_port
+from loraserve.clients.adapter_fetch import fetch_adapter
+from loraserve.v1 import store_pb2, store_pb2_grpc
+from tests.helpers.ports import free_port
+from tests.helpers.store_calls import expect_error, register
 
 pytestmark = pytest.mark.s3
 C = grpc.StatusCode
@@ -31,30 +31,52 @@ def test_register_and_fetch_from_s3(s3_stub) -> None:
 
 
 def test_missing_key_and_bucket(s3_stub) -> None:
-    expect_error(lambda: register(s3_stub, "x", "s3://adapters/team-a/nothing-here"), C.NOT_FOUND,
-                 "s3://adapters/team-a/nothing-here", "adapter_model.safetensors not found")
+    expect_error(
+        lambda: register(s3_stub, "x", "s3://adapters/team-a/nothing-here"),
+        C.NOT_FOUND,
+        "s3://adapters/team-a/nothing-here",
+        "adapter_model.safetensors not found",
+    )
     expect_error(lambda: register(s3_stub, "x", "s3://no-such-bucket/a"), C.NOT_FOUND, "no-such-bucket")
     assert register(s3_stub, "ok", "s3://adapters/team-a/peft-qv-r8").rank == 8
 
 
 def test_missing_config_only(s3_stub, s3_endpoint: str, peft_root) -> None:
     s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
-    s3.upload_file(str(peft_root / "peft-qv-r8" / "adapter_model.safetensors"), "adapters",
-                   "team-b/no-config/adapter_model.safetensors")
-    expect_error(lambda: register(s3_stub, "x", "s3://adapters/team-b/no-config"), C.NOT_FOUND,
-                 "team-b/no-config/adapter_config.json")
+    s3.upload_file(
+        str(peft_root / "peft-qv-r8" / "adapter_model.safetensors"),
+        "adapters",
+        "team-b/no-config/adapter_model.safetensors",
+    )
+    expect_error(
+        lambda: register(s3_stub, "x", "s3://adapters/team-b/no-config"),
+        C.NOT_FOUND,
+        "team-b/no-config/adapter_config.json",
+    )
 
 
 def test_pickle_only_in_s3(s3_stub, s3_endpoint: str) -> None:
     s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     s3.put_object(Bucket="adapters", Key="team-b/pickled/adapter_model.bin", Body=b"\x80\x04...")
     s3.put_object(Bucket="adapters", Key="team-b/pickled/adapter_config.json", Body=b"{}")
-    expect_error(lambda: register(s3_stub, "x", "s3://adapters/team-b/pickled"), C.INVALID_ARGUMENT,
-                 "pickle", "safetensors")
+    expect_error(
+        lambda: register(s3_stub, "x", "s3://adapters/team-b/pickled"),
+        C.INVALID_ARGUMENT,
+        "pickle",
+        "safetensors",
+    )
 
 
-@pytest.mark.parametrize("source", ["s3://adapters/team-a/../secrets", "s3://Bad_Bucket/x", "s3://adapters/a//..",
-                                    "s3://adapters/a/%2e%2e/b", "s3://a/x"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "s3://adapters/team-a/../secrets",
+        "s3://Bad_Bucket/x",
+        "s3://adapters/a//..",
+        "s3://adapters/a/%2e%2e/b",
+        "s3://a/x",
+    ],
+)
 def test_keys_only_from_validated_parts(s3_stub, source: str) -> None:
     expect_error(lambda: register(s3_stub, "x", source), C.INVALID_ARGUMENT, "source")
 
@@ -63,8 +85,12 @@ def test_s3_unreachable(start_store, s3_bucket: str) -> None:
     store = start_store(s3_endpoint_url=f"http://127.0.0.1:{free_port()}", s3_timeout_s=1.0)
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
-        expect_error(lambda: register(stub, "x", "s3://adapters/team-a/peft-qv-r8"), C.UNAVAILABLE,
-                     "S3 endpoint unreachable", "s3://adapters/team-a/peft-qv-r8")
+        expect_error(
+            lambda: register(stub, "x", "s3://adapters/team-a/peft-qv-r8"),
+            C.UNAVAILABLE,
+            "S3 endpoint unreachable",
+            "s3://adapters/team-a/peft-qv-r8",
+        )
         assert register(stub, "local", "peft-qv-r8").rank == 8
         assert stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="local")).adapter_id == "local"
 
@@ -73,5 +99,9 @@ def test_s3_file_over_the_limit(start_store, s3_endpoint: str, s3_bucket: str) -
     store = start_store(s3_endpoint_url=s3_endpoint, s3_region="us-east-1", max_adapter_bytes=1000)
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
-        expect_error(lambda: register(stub, "x", "s3://adapters/team-a/peft-qv-r8"), C.INVALID_ARGUMENT,
-                     "s3://adapters/team-a/peft-qv-r8/adapter_model.safetensors is", "over the limit of 1000")
+        expect_error(
+            lambda: register(stub, "x", "s3://adapters/team-a/peft-qv-r8"),
+            C.INVALID_ARGUMENT,
+            "s3://adapters/team-a/peft-qv-r8/adapter_model.safetensors is",
+            "over the limit of 1000",
+        )

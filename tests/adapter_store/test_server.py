@@ -16,11 +16,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from loraserve.v1 import store_pb2, store_pb2_grpc
 
-from clients.store_client import StoreClient
-from tests.adapter_store.test_bad_inputs import expect_error, register
-from tests.conftest import free_port
+from loraserve.clients.store_client import StoreClient
+from loraserve.v1 import store_pb2, store_pb2_grpc
+from tests.helpers.ports import free_port
+from tests.helpers.store_calls import expect_error, register
 from tests.helpers.tls import self_signed_cert
 
 C = grpc.StatusCode
@@ -32,10 +32,15 @@ def test_admin_token(start_store) -> None:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
         req = store_pb2.RegisterAdapterRequest(adapter_id="a", source="peft-qv-r8")
         expect_error(lambda: stub.RegisterAdapter(req), C.UNAUTHENTICATED, "RegisterAdapter", "Bearer")
-        expect_error(lambda: stub.RegisterAdapter(req, metadata=[("authorization", "Bearer nope")]),
-                     C.PERMISSION_DENIED, "not valid")
-        expect_error(lambda: stub.RegisterAdapter(req, metadata=[("authorization", "Basic s3cret")]),
-                     C.PERMISSION_DENIED)
+        expect_error(
+            lambda: stub.RegisterAdapter(req, metadata=[("authorization", "Bearer nope")]),
+            C.PERMISSION_DENIED,
+            "not valid",
+        )
+        expect_error(
+            lambda: stub.RegisterAdapter(req, metadata=[("authorization", "Basic s3cret")]),
+            C.PERMISSION_DENIED,
+        )
         assert stub.RegisterAdapter(req, metadata=[("authorization", "Bearer s3cret")]).rank == 8
         delete = store_pb2.DeleteAdapterRequest(adapter_id="a")
         expect_error(lambda: stub.DeleteAdapter(delete), C.UNAUTHENTICATED)
@@ -54,7 +59,9 @@ def test_tls(start_store, tmp_path: Path) -> None:
         assert client.fetch("a").digest == client.get("a").digest
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
-        expect_error(lambda: stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="a"), timeout=5), C.UNAVAILABLE)
+        expect_error(
+            lambda: stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="a"), timeout=5), C.UNAVAILABLE
+        )
 
 
 def test_health_and_reflection(store) -> None:
@@ -64,7 +71,9 @@ def test_health_and_reflection(store) -> None:
             resp = health.Check(health_pb2.HealthCheckRequest(service=service))
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        answer = next(iter(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
+        answer = next(
+            iter(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        )
         names = {s.name for s in answer.list_services_response.service}
         assert {"loraserve.v1.AdapterStore", "grpc.health.v1.Health"} <= names
 
@@ -105,10 +114,15 @@ def test_drain_refuses_new_work_and_finishes_running_streams(start_store) -> Non
         assert next(stream).WhichOneof("payload") == "manifest"
         store.call(store.store.begin_drain())
         health = health_pb2_grpc.HealthStub(ch)
-        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         expect_error(lambda: register(stub, "b", "peft-qv-r8"), C.UNAVAILABLE, "draining")
-        expect_error(lambda: list(stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="a"))),
-                     C.UNAVAILABLE, "draining")
+        expect_error(
+            lambda: list(stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="a"))),
+            C.UNAVAILABLE,
+            "draining",
+        )
         stopper = threading.Thread(target=store.stop, kwargs={"grace": 10.0, "drain": True})
         stopper.start()
         received = sum(len(m.chunk.data) for m in stream)
@@ -120,10 +134,29 @@ def test_drain_refuses_new_work_and_finishes_running_streams(start_store) -> Non
 @pytest.mark.slow
 def test_sigterm_drains_the_process(tiny_model_dir: Path, adapter_root: Path, tmp_path: Path) -> None:
     port = free_port()
-    env = {**os.environ, "LORASERVE_BASE_MODEL": str(tiny_model_dir), "LORASERVE_ADAPTER_ROOT": str(adapter_root)}
-    proc = subprocess.Popen([sys.executable, "-m", "clients.cli", "store", "--port", str(port), "--data-dir",
-                             str(tmp_path / "data"), "--grace-period-s", "2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "LORASERVE_BASE_MODEL": str(tiny_model_dir),
+        "LORASERVE_ADAPTER_ROOT": str(adapter_root),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "loraserve.cli",
+            "store",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--grace-period-s",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 60
         while True:

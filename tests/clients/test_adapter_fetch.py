@@ -10,16 +10,19 @@ import threading
 
 import grpc
 import pytest
-from loraserve.v1 import store_pb2, store_pb2_grpc
 
-from clients.adapter_fetch import AdapterDownload, DataLossError, fetch_adapter, fetch_adapter_async
+from loraserve.clients.adapter_fetch import AdapterDownload, DataLossError, fetch_adapter, fetch_adapter_async
+from loraserve.v1 import store_pb2, store_pb2_grpc
 
 
 @pytest.fixture
 def chunked(start_store, make_demo):
     """A store with 4 KiB chunks and one registered all-module adapter (~70 KiB: many chunks)."""
-    make_demo("big", r=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                           "down_proj"))
+    make_demo(
+        "big",
+        r=16,
+        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    )
     store = start_store(chunk_bytes=4096)
     channel = grpc.insecure_channel(store.address)
     stub = store_pb2_grpc.AdapterStoreStub(channel)
@@ -36,7 +39,7 @@ class CuttingStub:
         self.stub, self.cut_after, self.corrupt = stub, cut_after, corrupt
         self.requests: list[store_pb2.FetchAdapterRequest] = []
 
-    def FetchAdapter(self, request, **kwargs):  # noqa: N802
+    def FetchAdapter(self, request, **kwargs):
         self.requests.append(request)
         call = self.stub.FetchAdapter(request, **kwargs)
         first = len(self.requests) == 1
@@ -46,8 +49,9 @@ class CuttingStub:
             if self.corrupt and msg.WhichOneof("payload") == "chunk" and i == 2:
                 data = bytearray(msg.chunk.data)
                 data[0] ^= 0xFF
-                msg = store_pb2.FetchAdapterResponse(chunk=store_pb2.DataChunk(offset=msg.chunk.offset,
-                                                                               data=bytes(data)))
+                msg = store_pb2.FetchAdapterResponse(
+                    chunk=store_pb2.DataChunk(offset=msg.chunk.offset, data=bytes(data))
+                )
             yield msg
 
 
@@ -58,15 +62,22 @@ def test_chunks_are_bounded_and_contiguous(chunked) -> None:
     chunks = [m.chunk for m in messages[1:]]
     assert len(chunks) == -(-info.size_bytes // 4096)
     assert all(len(c.data) <= 4096 for c in chunks)
-    assert b"".join(c.data for c in chunks) and [c.offset for c in chunks] == list(range(0, info.size_bytes, 4096))
+    assert b"".join(c.data for c in chunks) and [c.offset for c in chunks] == list(
+        range(0, info.size_bytes, 4096)
+    )
     assert hashlib.sha256(b"".join(c.data for c in chunks)).hexdigest() == info.digest
 
 
 def test_server_resumes_from_offset(chunked) -> None:
     _, stub, info = chunked
-    full = b"".join(m.chunk.data for m in stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="big"))
-                    if m.WhichOneof("payload") == "chunk")
-    tail = list(stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="big", offset=10000, digest=info.digest)))
+    full = b"".join(
+        m.chunk.data
+        for m in stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="big"))
+        if m.WhichOneof("payload") == "chunk"
+    )
+    tail = list(
+        stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="big", offset=10000, digest=info.digest))
+    )
     assert tail[0].manifest.digest == info.digest
     assert tail[1].chunk.offset == 10000
     assert b"".join(m.chunk.data for m in tail[1:]) == full[10000:]
@@ -133,7 +144,6 @@ def test_buffer_is_pinned_with_cuda(chunked) -> None:
     slot = fetched.tensors["layers.0.qkv.lora_a"].to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(slot.cpu(), fetched.tensors["layers.0.qkv.lora_a"])
-
 
 
 class CuttingProxy:

@@ -7,17 +7,19 @@ from pathlib import Path
 import grpc
 import pytest
 
-from adapter_store.config import StoreConfig
-from adapter_store.demo import DemoAdapterSpec, write_demo_adapters
-from adapter_store.server import BackgroundStore
-from clients.router import WorkerRouter, _weight
-from clients.store_client import StoreClient
-from clients.worker_client import WorkerClient
-from inference_worker.config import WorkerConfig
-from inference_worker.server import BackgroundWorker
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.demo import DemoAdapterSpec, write_demo_adapters
+from loraserve.adapter_store.server import BackgroundStore
+from loraserve.clients.router import WorkerRouter, _weight
+from loraserve.clients.store_client import StoreClient
+from loraserve.clients.worker_client import WorkerClient
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.server import BackgroundWorker
 
-SPECS = tuple(DemoAdapterSpec(f"route-{i}", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=i)
-              for i in range(8))
+SPECS = tuple(
+    DemoAdapterSpec(f"route-{i}", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=i)
+    for i in range(8)
+)
 PROMPT = [5, 17, 42, 99, 7]
 
 
@@ -25,16 +27,36 @@ PROMPT = [5, 17, 42, 99, 7]
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("route-adapters")
     write_demo_adapters(root, tiny_model_dir, SPECS)
-    store = BackgroundStore(StoreConfig(base_model=str(tiny_model_dir), port=0, adapter_root=str(root),
-                                        data_dir=str(tmp_path_factory.mktemp("route-store")),
-                                        serving_dtype="float32", log_level="WARNING"))
+    store = BackgroundStore(
+        StoreConfig(
+            base_model=str(tiny_model_dir),
+            port=0,
+            adapter_root=str(root),
+            data_dir=str(tmp_path_factory.mktemp("route-store")),
+            serving_dtype="float32",
+            log_level="WARNING",
+        )
+    )
     with StoreClient(store.address) as c:
         for s in SPECS:
             c.register(s.name, s.name)
-    workers = [BackgroundWorker(WorkerConfig(model=str(tiny_model_dir), port=0, device="cpu", dtype="float32",
-                                             max_num_seqs=8, num_kv_blocks=128, store_address=store.address,
-                                             max_loras=2, max_cpu_loras=4, log_level="WARNING"))
-               for _ in range(2)]
+    workers = [
+        BackgroundWorker(
+            WorkerConfig(
+                model=str(tiny_model_dir),
+                port=0,
+                device="cpu",
+                dtype="float32",
+                max_num_seqs=8,
+                num_kv_blocks=128,
+                store_address=store.address,
+                max_loras=2,
+                max_cpu_loras=4,
+                log_level="WARNING",
+            )
+        )
+        for _ in range(2)
+    ]
     yield store, workers
     for w in workers:
         w.stop()
@@ -72,6 +94,31 @@ def test_residency_beats_hashing(fleet) -> None:
         assert router.pick("route-1") == other
 
 
+def test_free_slots_beat_hashing_for_adapters_held_nowhere(fleet) -> None:
+    _, workers = fleet
+    addresses = [w.address for w in workers]
+    clients = [WorkerClient(a, timeout=60) for a in addresses]
+    try:
+        for c in clients:
+            for a in c.list_adapters():
+                c.unload_adapter(a.adapter_id)
+        fresh = max(
+            (s.name for s in SPECS[4:]), key=lambda n: _weight(n, addresses[0]) - _weight(n, addresses[1])
+        )
+        assert _weight(fresh, addresses[0]) > _weight(fresh, addresses[1])  # its hash home is worker 0
+        with WorkerRouter(addresses, refresh_s=0.0) as router:
+            assert router.pick(fresh) == addresses[0]
+            for name in ("route-2", "route-3"):  # worker 0's two GPU slots fill up
+                clients[0].load_adapter(name, tier="gpu")
+            assert router.pick(fresh) == addresses[1]
+            clients[1].load_adapter("route-2", tier="gpu")
+            clients[1].load_adapter("route-3", tier="gpu")
+            assert router.pick(fresh) == addresses[0]  # no free slot anywhere: the home again
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_ids_spread_over_workers(fleet) -> None:
     _, workers = fleet
     with WorkerRouter([w.address for w in workers], refresh_s=60.0) as router:
@@ -81,9 +128,20 @@ def test_ids_spread_over_workers(fleet) -> None:
 
 def test_fails_over_when_a_worker_is_gone(fleet, tiny_model_dir: Path) -> None:
     store, workers = fleet
-    extra = BackgroundWorker(WorkerConfig(model=str(tiny_model_dir), port=0, device="cpu", dtype="float32",
-                                          max_num_seqs=8, num_kv_blocks=128, store_address=store.address,
-                                          max_loras=2, max_cpu_loras=4, log_level="WARNING"))
+    extra = BackgroundWorker(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            port=0,
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=8,
+            num_kv_blocks=128,
+            store_address=store.address,
+            max_loras=2,
+            max_cpu_loras=4,
+            log_level="WARNING",
+        )
+    )
     live = workers[0].address
     addresses = [extra.address, live]
     adapter = max((s.name for s in SPECS), key=lambda n: _weight(n, extra.address) - _weight(n, live))
@@ -112,7 +170,7 @@ def test_needs_an_address() -> None:
 
 
 def test_slots_cli(fleet, capsys) -> None:
-    from clients.worker_cli import slots_main
+    from loraserve.clients.worker_cli import slots_main
 
     _, workers = fleet
     addr = ["--worker", workers[1].address]

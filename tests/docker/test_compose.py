@@ -1,19 +1,28 @@
-"""docker/compose.yaml: the topology it declares, that every service command is accepted by our own
-CLIs, and (only where a Docker engine answers) that compose itself accepts the file."""
+"""docker/compose.yaml: valid against the Compose specification's JSON schema (the copy check-jsonschema
+vendors), the topology it declares, and every command, flag and variable it gives our services is one
+they accept; where a Docker engine answers, compose itself reads the file too."""
 
 from __future__ import annotations
 
+import copy
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from adapter_store.config import StoreConfig
-from inference_worker.config import WorkerConfig
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.v1 import store_pb2, worker_pb2
+from tests.helpers.cli_env import UnknownCommand, cli_flags, env_problems, flags_used
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
+STORE_SERVICE = store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["InferenceWorker"].full_name
+WORKERS = ("worker-1", "worker-2")
 
 
 @pytest.fixture(scope="module")
@@ -21,42 +30,155 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
+def _interpolate(value: str) -> str:
+    """Compose's `${NAME:-default}` / `${NAME}` with nothing set in the environment."""
+    return re.sub(r"\$\{[A-Z0-9_]+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
+
+
 def _env(service: dict) -> dict[str, str]:
-    env = service.get("environment") or {}
-    return {k: str(v) for k, v in env.items()}
+    return {k: _interpolate(str(v)) for k, v in (service.get("environment") or {}).items()}
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(f"--{name}") + 1]
+
+
+def _schema_check(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_matches_the_compose_specification() -> None:
+    res = _schema_check(COMPOSE)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_schema_check_rejects_a_broken_file(compose: dict, tmp_path: Path) -> None:
+    compose = copy.deepcopy(compose)
+    compose["services"]["worker-1"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] = "0"
+    compose["services"]["store"]["healthchek"] = compose["services"]["store"].pop("healthcheck")
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(yaml.safe_dump(compose))
+    res = _schema_check(broken)
+    assert res.returncode == 1
+    assert "device_ids" in res.stdout and "healthchek" in res.stdout
 
 
 def test_topology(compose: dict) -> None:
     services = compose["services"]
-    assert {"redis", "minio", "store", "worker-1", "worker-2"} <= set(services)
-    for name in ("worker-1", "worker-2"):
-        w = services[name]
-        assert w["depends_on"]["store"]["condition"] == "service_healthy"
-        assert w["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-        assert _env(w)["LORASERVE_REDIS_URL"].startswith("redis://redis:")
-    assert _env(services["store"])["LORASERVE_REDIS_URL"].startswith("redis://redis:")
-    assert _env(services["store"])["LORASERVE_S3_ENDPOINT_URL"] == "http://minio:9000"
-    assert services["worker-1"]["command"] != services["worker-2"]["command"]
+    assert {"redis", "s3", "seed", "store", "register", "gateway", *WORKERS} == set(services)
+    for name in WORKERS:
+        assert services[name]["depends_on"]["store"]["condition"] == "service_healthy"
+        assert _env(services[name])["LORASERVE_REDIS_URL"].startswith("redis://redis:")
+    store_env = _env(services["store"])
+    assert store_env["LORASERVE_REDIS_URL"].startswith("redis://redis:")
+    assert store_env["LORASERVE_S3_ENDPOINT_URL"] == "http://s3:5000"
+    assert services["store"]["depends_on"]["seed"]["condition"] == "service_completed_successfully"
     # the registry lives in Redis: it must survive a Redis restart
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes" and services["redis"]["volumes"]
+    gateway = services["gateway"]["command"]
+    assert gateway[0] == "openai" and _flag(gateway, "redis-url") == store_env["LORASERVE_REDIS_URL"]
+    assert _flag(gateway, "store") == "store:" + _flag(services["store"]["command"], "port")
 
 
-def test_store_command_parses(compose: dict) -> None:
+def test_each_worker_has_its_own_gpu(compose: dict) -> None:
+    gpus = []
+    for name in WORKERS:
+        (device,) = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and "count" not in device, name
+        assert len(device["device_ids"]) == 1, name
+        gpus += device["device_ids"]
+    assert len(set(gpus)) == len(WORKERS), f"workers share a GPU: {gpus}"
+
+
+def test_images_are_pinned(compose: dict) -> None:
+    for name, service in compose["services"].items():
+        if "build" in service:
+            continue  # built here from docker/Dockerfile.*, whose bases test_images.py checks
+        image = service["image"]
+        repo, _, tag = image.rpartition(":")
+        assert repo and "/" not in tag and re.search(r"\d", tag) and tag != "latest", (
+            f"{name}: {image} is not pinned"
+        )
+
+
+def test_store_and_worker_commands_parse(compose: dict) -> None:
     store = compose["services"]["store"]
-    cfg = StoreConfig.from_args(store["command"], env=_env(store))
-    assert cfg.redis_url == "redis://redis:6379/0"
-    assert cfg.s3_endpoint_url == "http://minio:9000"
-    assert cfg.host == "0.0.0.0" and cfg.port == 50051
+    assert store["command"][0] == "store"
+    cfg = StoreConfig.from_args(store["command"][1:], env=_env(store))
+    assert (cfg.host, cfg.port, cfg.redis_url) == ("0.0.0.0", 50051, "redis://redis:6379/0")
+    assert cfg.s3_endpoint_url == "http://s3:5000"
+    ids = set()
+    for name in WORKERS:
+        worker = compose["services"][name]
+        assert worker["command"][0] == "worker"
+        wcfg = WorkerConfig.from_args(worker["command"][1:], env=_env(worker))
+        assert wcfg.store_address == f"store:{cfg.port}" and wcfg.redis_url == cfg.redis_url
+        assert wcfg.device == "cuda" and wcfg.advertise_address == f"{name}:{wcfg.port}"
+        ids.add(wcfg.worker_id)
+    assert ids == set(WORKERS)
 
 
-@pytest.mark.parametrize("name", ["worker-1", "worker-2"])
-def test_worker_command_parses(compose: dict, name: str) -> None:
-    worker = compose["services"][name]
-    cfg = WorkerConfig.from_args(worker["command"], env=_env(worker))
-    assert cfg.store_address == "store:50051"
-    assert cfg.worker_id == name
-    assert cfg.redis_url == "redis://redis:6379/0"
+def _loraserve_command(service: dict) -> tuple[str, list[str]] | None:
+    """(subcommand, its arguments) of a service that runs the `loraserve` entry point, directly or
+    in a shell line; None for anything else (redis, s3, the seed script)."""
+    if "build" not in service:
+        return None
+    entrypoint = service.get("entrypoint")
+    if entrypoint is None:
+        return service["command"][0], service["command"][1:]
+    if entrypoint[:2] == ["sh", "-c"]:
+        m = re.search(r"\bloraserve (\w+) ([^;|&]*)", service["command"][0])
+        assert m, service
+        return m.group(1), m.group(2).split()
+    return None
+
+
+@pytest.mark.parametrize("name", ["store", "register", "gateway", *WORKERS])
+def test_flags_and_variables_are_accepted(compose: dict, name: str) -> None:
+    service = compose["services"][name]
+    found = _loraserve_command(service)
+    assert found is not None
+    command, argv = found
+    try:
+        unknown = [f for f in flags_used(argv) if f not in cli_flags(command)]
+    except UnknownCommand as exc:
+        pytest.skip(str(exc))
+    assert not unknown, f"{name}: `loraserve {command}` has no flag(s) {unknown}"
+    assert not env_problems(command, list(service.get("environment") or {}), f"compose service {name}")
+
+
+def test_health_checks_ask_the_served_port(compose: dict) -> None:
+    services = compose["services"]
+    for name, expected in (("store", STORE_SERVICE), *((w, WORKER_SERVICE) for w in WORKERS)):
+        service = services[name]
+        test = service["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "loraserve", "health"], name
+        assert test[3] == f"127.0.0.1:{_flag(service['command'], 'port')}", name
+        assert _flag(test, "service") == expected, name
+    gateway = services["gateway"]
+    url = f"http://127.0.0.1:{_flag(gateway['command'], 'port')}/health"
+    assert url in " ".join(gateway["healthcheck"]["test"])
+    for job in ("seed", "register"):
+        assert services[job]["healthcheck"] == {"disable": True}, job
+
+
+def _seconds(duration: str) -> float:
+    m = re.fullmatch(r"(\d+)s", duration)
+    assert m, duration
+    return float(m.group(1))
+
+
+def test_stop_grace_covers_the_drain(compose: dict) -> None:
+    for name, config in (("store", StoreConfig), *((w, WorkerConfig) for w in WORKERS)):
+        service = compose["services"][name]
+        grace = config.from_args(service["command"][1:], env=_env(service)).grace_period_s
+        assert _seconds(service["stop_grace_period"]) >= grace + 10, name
 
 
 def _docker_engine() -> bool:
@@ -74,6 +196,10 @@ def _docker_engine() -> bool:
 @pytest.mark.docker
 @pytest.mark.skipif(not _docker_engine(), reason="no Docker engine (docker info / docker compose version)")
 def test_compose_config_is_valid() -> None:
-    res = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr

@@ -50,3 +50,33 @@ def make_peft_adapter(
     out = Path(out_dir)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def peft_reference(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int):
+    """(greedy tokens up to EOS, raw logits of the first generated position [V]) from
+    transformers + peft."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    model.eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    eos = model.config.eos_token_id
+    if eos in tokens:
+        tokens = tokens[: tokens.index(eos)]
+    return tokens, out.logits[0][0].float()

@@ -1,31 +1,25 @@
 """Fixtures of the worker tests: real workers (grpc.aio on port 0 in a background loop) on the
-tiny model, and engines driven step by step on the test's thread."""
+tiny model, PEFT adapters for the LoRA tests and a real store holding them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
 
-from inference_worker.config import WorkerConfig
-from inference_worker.engine.engine import EngineConfig, LLMEngine
-from inference_worker.model.loader import load_model, load_tokenizer
+from tests.helpers.lora_store import ADAPTER_SPECS, start_lora_store
+from tests.helpers.peft_adapters import make_peft_adapter
+from tests.helpers.ports import free_port
+from tests.helpers.workers import worker_config
 
 # grpc and the stubs are imported inside the fixtures: the model/engine tests also run on GPU
 # machines whose grpc may not match the generated stubs.
 
 
-def worker_config(model_dir: Path, **overrides) -> WorkerConfig:
-    base = dict(model=str(model_dir), port=0, device="cpu", dtype="float32", max_num_seqs=8,
-                max_num_batched_tokens=32, num_kv_blocks=128, max_queue_size=64, log_level="WARNING")
-    return WorkerConfig(**{**base, **overrides})
-
-
 @pytest.fixture
 def start_worker(tiny_model_dir: Path):
     """start_worker(**config overrides) -> BackgroundWorker; stopped at teardown."""
-    from inference_worker.server import BackgroundWorker
+    from loraserve.inference_worker.server import BackgroundWorker
 
     started: list[BackgroundWorker] = []
 
@@ -42,21 +36,38 @@ def start_worker(tiny_model_dir: Path):
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir: Path):
     """A shared worker for tests that leave it as they found it."""
-    from inference_worker.server import BackgroundWorker
+    from loraserve.inference_worker.server import BackgroundWorker
 
     bg = BackgroundWorker(worker_config(tiny_model_dir))
     yield bg
     bg.stop()
 
 
-def stub_for(address: str):
-    import grpc
-    from loraserve.v1 import worker_pb2_grpc
+@pytest.fixture(scope="session")
+def lora_adapter_root(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of PEFT checkpoints: ADAPTER_SPECS, plus 'alt-*' variants used to re-register
+    an adapter with new weights."""
+    root = tmp_path_factory.mktemp("adapters")
+    for name, spec in ADAPTER_SPECS.items():
+        make_peft_adapter(tiny_model_dir, root / name, **spec)
+    make_peft_adapter(
+        tiny_model_dir,
+        root / "alt-qv-r8",
+        r=8,
+        lora_alpha=16.0,
+        target_modules=("q_proj", "v_proj"),
+        seed=101,
+    )
+    return root
 
-    return worker_pb2_grpc.InferenceWorkerStub(grpc.insecure_channel(address))
 
-
-def make_engine(model_dir: Path, **overrides) -> LLMEngine:
-    cfg = EngineConfig(**{**dict(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=32, num_blocks=64,
-                                 use_cuda_graphs=False), **overrides})
-    return LLMEngine(load_model(model_dir, torch.float32, "cpu"), load_tokenizer(model_dir), cfg)
+@pytest.fixture(scope="module")
+def lora_store(tiny_model_dir: Path, lora_adapter_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A real store with every ADAPTER_SPECS adapter registered under its name."""
+    handle = start_lora_store(
+        tiny_model_dir, lora_adapter_root, tmp_path_factory.mktemp("store"), port=free_port()
+    )
+    for name in ADAPTER_SPECS:
+        handle.register(name, name)
+    yield handle
+    handle.store.stop()

@@ -7,28 +7,36 @@ from pathlib import Path
 
 import pytest
 
-from inference_worker.config import WorkerConfig
-from inference_worker.engine.builder import build_engine
-from inference_worker.model.config import ModelConfigError
+from loraserve.inference_worker.builder import build_worker
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.model.config import ModelConfigError
 
 
 def test_flags_env_defaults(tiny_model_dir: Path) -> None:
-    env = {"LORASERVE_MAX_NUM_SEQS": "12", "LORASERVE_PORT": "6000", "LORASERVE_CUDA_GRAPHS": "false",
-           "LORASERVE_STORE_ADDRESS": "store:50051", "LORASERVE_MODEL": str(tiny_model_dir)}
+    env = {
+        "LORASERVE_MAX_NUM_SEQS": "12",
+        "LORASERVE_PORT": "6000",
+        "LORASERVE_CUDA_GRAPHS": "false",
+        "LORASERVE_STORE_ADDRESS": "store:50051",
+        "LORASERVE_MODEL": str(tiny_model_dir),
+    }
     c = WorkerConfig.from_args(["--port", "7000", "--max-loras", "2", "--max-cpu-loras", "3"], env)
     assert (c.port, c.max_num_seqs, c.cuda_graphs, c.max_loras, c.max_cpu_loras) == (7000, 12, False, 2, 3)
     assert c.model == str(tiny_model_dir) and c.store_address == "store:50051" and c.block_size == 16
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(max_loras=8, max_cpu_loras=4), "max_cpu_loras"),
-    (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
-    (dict(block_size=12), "block_size"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(device="tpu"), "device"),
-    (dict(tls_cert="cert.pem"), "tls_cert"),
-    (dict(model=""), "model is required"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_loras=8, max_cpu_loras=4), "max_cpu_loras"),
+        (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
+        (dict(block_size=12), "block_size"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(tls_cert="cert.pem"), "tls_cert"),
+        (dict(model=""), "model is required"),
+    ],
+)
 def test_invariants(overrides, message) -> None:
     with pytest.raises(ValueError, match=message):
         WorkerConfig(**{"model": "m", **overrides})
@@ -40,16 +48,18 @@ def test_bad_env_value_is_a_usage_error() -> None:
 
 
 def test_kv_budget_and_max_model_len(tiny_model_dir: Path) -> None:
-    engine = build_engine(WorkerConfig(model=str(tiny_model_dir), device="cpu", kv_cache_mb=1, max_model_len=256))
+    engine = build_worker(
+        WorkerConfig(model=str(tiny_model_dir), device="cpu", kv_cache_mb=1, max_model_len=256)
+    ).engine
     # 2 layers x (k, v) x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8 KiB per block
     assert engine.config.num_blocks == (1 << 20) // 8192 and engine.config.max_model_len == 256
     with pytest.raises(ModelConfigError, match="max_position_embeddings"):
-        build_engine(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=10**6))
+        build_worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=10**6))
 
 
 def test_start_up_errors_exit_cleanly(tmp_path: Path, caplog) -> None:
     pytest.importorskip("grpc_health")
-    from inference_worker.server import main
+    from loraserve.inference_worker.server import main
 
     assert main(["--model", str(tmp_path / "missing"), "--port", "0", "--log-level", "ERROR"]) == 2
     assert "does not exist" in caplog.text
@@ -58,12 +68,15 @@ def test_start_up_errors_exit_cleanly(tmp_path: Path, caplog) -> None:
 def test_sliding_window_caps_the_length(tmp_path: Path) -> None:
     import json
 
-    from inference_worker.model.tiny import TinyLlamaSpec, write_tiny_llama
+    from loraserve.inference_worker.model.tiny import TinyLlamaSpec, write_tiny_llama
 
     d = write_tiny_llama(tmp_path / "mistral", TinyLlamaSpec())
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=128)
     (d / "config.json").write_text(json.dumps(cfg))
-    assert build_engine(WorkerConfig(model=str(d), device="cpu", kv_cache_mb=1)).config.max_model_len == 128
+    assert (
+        build_worker(WorkerConfig(model=str(d), device="cpu", kv_cache_mb=1)).engine.config.max_model_len
+        == 128
+    )
     with pytest.raises(ModelConfigError, match="sliding_window"):
-        build_engine(WorkerConfig(model=str(d), device="cpu", kv_cache_mb=1, max_model_len=256))
+        build_worker(WorkerConfig(model=str(d), device="cpu", kv_cache_mb=1, max_model_len=256))

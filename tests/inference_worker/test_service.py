@@ -11,17 +11,23 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from loraserve.clients.worker_cli import generate_main
+from loraserve.clients.worker_client import AsyncWorkerClient, WorkerClient, build_request
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
-
-from clients.worker_cli import generate_main
-from clients.worker_client import AsyncWorkerClient, WorkerClient, build_request
 from tests.helpers.tls import self_signed_cert
-from tests.inference_worker.conftest import stub_for
+from tests.helpers.workers import stub_for
 
-PROMPTS = ["Hello world.", "The quick brown fox jumps over the lazy dog.", "Once", "0123456789 + - * /",
-           "Each worker keeps the most recently used adapters in GPU slots and the rest in a CPU cache.",
-           "loraserve serves many low-rank adapters", "Every request in a batch may use its own adapter;",
-           "The adapter store fetches checkpoints,"]
+PROMPTS = [
+    "Hello world.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Once",
+    "0123456789 + - * /",
+    "Each worker keeps the most recently used adapters in GPU slots and the rest in a CPU cache.",
+    "loraserve serves many low-rank adapters",
+    "Every request in a batch may use its own adapter;",
+    "The adapter store fetches checkpoints,",
+]
 
 
 def wait_for(predicate, timeout: float = 5.0) -> bool:
@@ -81,8 +87,9 @@ def test_prompt_token_ids_and_stop_strings(worker) -> None:
         stop = full.text[5:9]
         assert len(stop) == 4
         cut = w.generate(PROMPTS[0], max_tokens=30, ignore_eos=True, stop=[stop])
-        streamed = "".join(d.text for d in w.generate_stream(PROMPTS[0], max_tokens=30, ignore_eos=True,
-                                                              stop=[stop]))
+        streamed = "".join(
+            d.text for d in w.generate_stream(PROMPTS[0], max_tokens=30, ignore_eos=True, stop=[stop])
+        )
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)] == streamed
 
 
@@ -90,27 +97,34 @@ def stub_tokens(worker, text: str) -> list[int]:
     return worker.engine.tokenizer.encode(text).ids
 
 
-@pytest.mark.parametrize("sampling, message", [
-    (worker_pb2.SamplingParams(temperature=-1.0), "temperature"),
-    (worker_pb2.SamplingParams(temperature=float("inf")), "temperature"),
-    (worker_pb2.SamplingParams(temperature=float("nan")), "temperature"),
-    (worker_pb2.SamplingParams(top_p=1.5), "top_p"),
-    (worker_pb2.SamplingParams(top_k=-2), "top_k"),
-    (worker_pb2.SamplingParams(max_tokens=-3), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "sampling, message",
+    [
+        (worker_pb2.SamplingParams(temperature=-1.0), "temperature"),
+        (worker_pb2.SamplingParams(temperature=float("inf")), "temperature"),
+        (worker_pb2.SamplingParams(temperature=float("nan")), "temperature"),
+        (worker_pb2.SamplingParams(top_p=1.5), "top_p"),
+        (worker_pb2.SamplingParams(top_k=-2), "top_k"),
+        (worker_pb2.SamplingParams(max_tokens=-3), "max_tokens"),
+    ],
+)
 def test_bad_sampling_values(worker, sampling, message) -> None:
     with pytest.raises(grpc.RpcError) as err:
-        stub_for(worker.address).Generate(worker_pb2.GenerateRequest(prompt="hi", sampling=sampling), timeout=10)
+        stub_for(worker.address).Generate(
+            worker_pb2.GenerateRequest(prompt="hi", sampling=sampling), timeout=10
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
 
 
 def test_over_long_prompt_and_empty_prompt(worker) -> None:
     stub = stub_for(worker.address)
     max_len = worker.engine.config.max_model_len
-    for req in (worker_pb2.GenerateRequest(prompt_token_ids=[5] * max_len),
-                worker_pb2.GenerateRequest(prompt="hi", sampling=worker_pb2.SamplingParams(max_tokens=max_len)),
-                worker_pb2.GenerateRequest(prompt=""),
-                worker_pb2.GenerateRequest(prompt_token_ids=[1, 99999])):
+    for req in (
+        worker_pb2.GenerateRequest(prompt_token_ids=[5] * max_len),
+        worker_pb2.GenerateRequest(prompt="hi", sampling=worker_pb2.SamplingParams(max_tokens=max_len)),
+        worker_pb2.GenerateRequest(prompt=""),
+        worker_pb2.GenerateRequest(prompt_token_ids=[1, 99999]),
+    ):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.GenerateStream(req, timeout=10))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -136,7 +150,9 @@ def test_deadline_expiry_frees_blocks(worker) -> None:
     engine = worker.engine
     start = engine.num_free_blocks
     with pytest.raises(grpc.RpcError) as err:
-        stub_for(worker.address).Generate(build_request(PROMPTS[4], max_tokens=1000, ignore_eos=True), timeout=0.3)
+        stub_for(worker.address).Generate(
+            build_request(PROMPTS[4], max_tokens=1000, ignore_eos=True), timeout=0.3
+        )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: engine.num_free_blocks == start and engine.idle)
 
@@ -161,9 +177,11 @@ def test_adapters_without_store(worker) -> None:
         stub.Generate(worker_pb2.GenerateRequest(prompt="hi", adapter_id="my-adapter"), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "no adapter store configured" in err.value.details()
-    for call, req in ((stub.LoadAdapter, worker_pb2.LoadAdapterRequest(adapter_id="a")),
-                      (stub.UnloadAdapter, worker_pb2.UnloadAdapterRequest(adapter_id="a")),
-                      (stub.PinAdapter, worker_pb2.PinAdapterRequest(adapter_id="a", pinned=True))):
+    for call, req in (
+        (stub.LoadAdapter, worker_pb2.LoadAdapterRequest(adapter_id="a")),
+        (stub.UnloadAdapter, worker_pb2.UnloadAdapterRequest(adapter_id="a")),
+        (stub.PinAdapter, worker_pb2.PinAdapterRequest(adapter_id="a", pinned=True)),
+    ):
         with pytest.raises(grpc.RpcError) as err:
             call(req, timeout=10)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -173,10 +191,13 @@ def test_adapters_without_store(worker) -> None:
 def test_worker_info_health_reflection(worker) -> None:
     info = stub_for(worker.address).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
     assert info.model == "tiny-llama" and info.device == "cpu" and info.dtype == "float32"
-    assert info.max_num_seqs == 8 and info.num_kv_blocks == 128 and info.block_size == 16 and info.vocab_size > 0
+    assert (
+        info.max_num_seqs == 8 and info.num_kv_blocks == 128 and info.block_size == 16 and info.vocab_size > 0
+    )
     ch = grpc.insecure_channel(worker.address)
     health = health_pb2_grpc.HealthStub(ch).Check(
-        health_pb2.HealthCheckRequest(service="loraserve.v1.InferenceWorker"), timeout=10)
+        health_pb2.HealthCheckRequest(service="loraserve.v1.InferenceWorker"), timeout=10
+    )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(ch)
     [resp] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
@@ -193,7 +214,8 @@ def test_drain(start_worker) -> None:
     threading.Thread(target=lambda: (bg.call(bg.server.drain()), drained.set()), daemon=True).start()
     assert wait_for(lambda: bg.server.servicer.draining)
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(bg.address)).Check(
-        health_pb2.HealthCheckRequest(service=""), timeout=10)
+        health_pb2.HealthCheckRequest(service=""), timeout=10
+    )
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(build_request("new work", max_tokens=4), timeout=10)
@@ -205,7 +227,7 @@ def test_drain(start_worker) -> None:
 
 
 def test_tokens_and_metrics(start_worker, capsys) -> None:
-    from tests.conftest import free_port
+    from tests.helpers.ports import free_port
 
     bg = start_worker(generate_token="gen-secret", admin_token="admin-secret", metrics_port=free_port())
     stub = stub_for(bg.address)
@@ -213,7 +235,9 @@ def test_tokens_and_metrics(start_worker, capsys) -> None:
         stub.Generate(build_request("hi", max_tokens=2), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as err:
-        stub.Generate(build_request("hi", max_tokens=2), timeout=10, metadata=[("authorization", "Bearer nope")])
+        stub.Generate(
+            build_request("hi", max_tokens=2), timeout=10, metadata=[("authorization", "Bearer nope")]
+        )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with WorkerClient(bg.address, token="gen-secret", admin_token="admin-secret") as w:
         assert len(w.generate("hi", max_tokens=3, ignore_eos=True).token_ids) == 3
@@ -221,10 +245,17 @@ def test_tokens_and_metrics(start_worker, capsys) -> None:
             w.load_adapter("a")
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # authorized, but no store
     with pytest.raises(grpc.RpcError) as err:
-        stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id="a"), timeout=10,
-                         metadata=[("authorization", "Bearer gen-secret")])
+        stub.LoadAdapter(
+            worker_pb2.LoadAdapterRequest(adapter_id="a"),
+            timeout=10,
+            metadata=[("authorization", "Bearer gen-secret")],
+        )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    body = urllib.request.urlopen(f"http://127.0.0.1:{bg.server.metrics_port}/metrics", timeout=5).read().decode()
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{bg.server.metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
     assert 'loraserve_worker_requests_total{code="OK",method="Generate"} 1.0' in body
     assert "loraserve_worker_generated_tokens_total 3.0" in body
     assert "loraserve_worker_queue_depth" in body and "loraserve_worker_time_to_first_token_seconds" in body
@@ -254,3 +285,33 @@ def test_tls(start_worker, tmp_path) -> None:
         assert len(w.generate("Hello", max_tokens=3, ignore_eos=True).token_ids) == 3
     with pytest.raises(grpc.RpcError):  # plaintext against a TLS port
         stub_for(bg.address).Generate(build_request("Hello", max_tokens=3), timeout=3)
+
+
+def test_build_request_carries_chat_and_sampling_fields() -> None:
+    req = build_request(
+        messages=[{"role": "system", "content": "Be brief."}, ("user", "Hi")],
+        add_generation_prompt=False,
+        n=3,
+        seed=7,
+        logprobs=True,
+        top_logprobs=5,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.3,
+    )
+    assert [(m.role, m.content) for m in req.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert req.HasField("add_generation_prompt") and not req.add_generation_prompt
+    assert not req.prompt and not req.prompt_token_ids
+    s = req.sampling
+    assert (s.n, s.seed, s.logprobs, s.top_logprobs) == (3, 7, True, 5)
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.25)
+    assert s.repetition_penalty == pytest.approx(1.3)
+    assert not build_request("hi").HasField("add_generation_prompt")
+
+
+def test_response_repeats_first_completion(worker) -> None:
+    with WorkerClient(worker.address) as w:
+        out = w.generate("Hello world.", max_tokens=6, ignore_eos=True)
+    assert len(out.completions) == 1
+    c = out.completions[0]
+    assert (c.index, c.text, c.token_ids, c.finish_reason) == (0, out.text, out.token_ids, out.finish_reason)

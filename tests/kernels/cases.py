@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import LoRABatch, add_lora, lora_expand, lora_shrink
+from loraserve.kernels import LaunchOptions, LoRABatch, add_lora, lora_expand, lora_shrink
 from tests.kernels.formula import lora_delta64, shrink64
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -77,7 +77,12 @@ PATHS = ("shrink", "expand", "add_lora")
 
 
 def run_case(
-    case: Case, dtype: torch.dtype, device: str, backend: str | None, paths: tuple[str, ...] = PATHS
+    case: Case,
+    dtype: torch.dtype,
+    device: str,
+    backend: str | None,
+    paths: tuple[str, ...] = PATHS,
+    options: LaunchOptions | None = None,
 ) -> list[str]:
     """Failures of the ops named in `paths`."""
     gen = torch.Generator().manual_seed(case.seed + 1000 * len(case.name))
@@ -103,8 +108,9 @@ def run_case(
     ref_s = shrink64(x, lora_a, list(case.ranks), slots)
 
     x, lora_a, lora_b, ranks = (t.to(device) for t in (x, lora_a, lora_b, ranks))
-    batch = LoRABatch.allocate(max(case.max_tokens, num_tokens), num_loras, device, max_slices=num_slices,
-                               max_rank=max_rank)
+    batch = LoRABatch.allocate(
+        max(case.max_tokens, num_tokens), num_loras, device, max_slices=num_slices, max_rank=max_rank
+    )
     batch.prepare(torch.tensor(slots, dtype=torch.int32, device=device))
     failures: list[str] = []
     tol = TOLERANCE[dtype]
@@ -125,14 +131,20 @@ def run_case(
 
     if "add_lora" in paths:
         y = y0.clone().to(device)
-        add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, backend=backend)
+        add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, backend=backend, options=options)
         failures += _check_y("add_lora", y.cpu(), y0, ref_delta, lora_rows, base_rows, tol)
     return failures
 
 
 def _check_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, batch: LoRABatch, backend: str | None,
-    written: torch.Tensor, ref_s: torch.Tensor, tol: float,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    ranks: torch.Tensor,
+    batch: LoRABatch,
+    backend: str | None,
+    written: torch.Tensor,
+    ref_s: torch.Tensor,
+    tol: float,
 ) -> list[str]:
     """Every meaningful element of s poisoned first: it must be written and match."""
     failures = []
@@ -155,7 +167,12 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _check_y(
-    op: str, y: torch.Tensor, y0: torch.Tensor, delta: torch.Tensor, lora_rows: list[int], base_rows: list[int],
+    op: str,
+    y: torch.Tensor,
+    y0: torch.Tensor,
+    delta: torch.Tensor,
+    lora_rows: list[int],
+    base_rows: list[int],
     tol: float,
 ) -> list[str]:
     failures = []
@@ -167,8 +184,10 @@ def _check_y(
         got = y[lora_rows].double() - y0[lora_rows].double()
         want = delta[lora_rows]
         # The output rounding of y itself bounds how well the delta can be recovered.
-        ulp = y0[lora_rows].double().abs().max().item() * {torch.float32: 1.2e-7, torch.float16: 1e-3,
-                                                           torch.bfloat16: 8e-3}[y.dtype]
+        ulp = (
+            y0[lora_rows].double().abs().max().item()
+            * {torch.float32: 1.2e-7, torch.float16: 1e-3, torch.bfloat16: 8e-3}[y.dtype]
+        )
         err = _rel(got, want)
         abs_err = float((got - want).abs().max())
         if not (err <= tol or abs_err <= 2 * ulp):

@@ -27,24 +27,23 @@ def main(names: list[str]) -> None:
                 continue
             try:
                 results[key] = run_case(case, dtype, "cpu", "triton")
-            except Exception as exc:  # noqa: BLE001 - reported per case to the parent test
+            except Exception as exc:
                 results[key] = [f"{type(exc).__name__}: {exc}"]
     # add_lora again with the expand's preloading loop (the structure it has when launched with
     # PDL on a GPU; the interpreter has no grid dependency control, so only the loop is checked).
-    from kernels import triton_ops
+    from loraserve.kernels import LaunchOptions
 
-    triton_ops.EXPAND_PRELOAD = True
-    try:
-        for case in CASES:
-            key = f"{case.name}-float16-preload"
-            if names and key not in names:
-                continue
-            try:
-                results[key] = run_case(case, torch.float16, "cpu", "triton", paths=("add_lora",))
-            except Exception as exc:  # noqa: BLE001 - reported per case to the parent test
-                results[key] = [f"{type(exc).__name__}: {exc}"]
-    finally:
-        triton_ops.EXPAND_PRELOAD = None
+    preload = LaunchOptions(expand_preload=True)
+    for case in CASES:
+        key = f"{case.name}-float16-preload"
+        if names and key not in names:
+            continue
+        try:
+            results[key] = run_case(
+                case, torch.float16, "cpu", "triton", paths=("add_lora",), options=preload
+            )
+        except Exception as exc:
+            results[key] = [f"{type(exc).__name__}: {exc}"]
     if not names or "prepare" in names:
         results["prepare"] = compare_prepare()
     if not names or "slice-limit" in names:
@@ -54,8 +53,8 @@ def main(names: list[str]) -> None:
 
 def compare_prepare() -> list[str]:
     """The one-launch Triton prepare against the torch-op version, on random slot vectors."""
-    from kernels import LoRABatch
-    from kernels.batch import max_work_items
+    from loraserve.kernels import LoRABatch
+    from loraserve.kernels.batch import max_work_items
 
     failures = []
     gen = torch.Generator().manual_seed(5)
@@ -67,25 +66,30 @@ def compare_prepare() -> list[str]:
         want.prepare(slots, use_triton=False)
         got.prepare(torch.zeros(9, dtype=torch.int32), use_triton=True)  # stale state to overwrite
         got.prepare(slots, use_triton=True)
-        pairs = [("sorted_rows", want.sorted_rows[:num_tokens], got.sorted_rows[:num_tokens]),
-                 ("slot_starts", want.slot_starts, got.slot_starts),
-                 ("slot_counts", want.slot_counts, got.slot_counts)]
+        pairs = [
+            ("sorted_rows", want.sorted_rows[:num_tokens], got.sorted_rows[:num_tokens]),
+            ("slot_starts", want.slot_starts, got.slot_starts),
+            ("slot_counts", want.slot_counts, got.slot_counts),
+        ]
         for m in want.work:
             n = int(want.work[m].count)
             pairs += [(f"work{m}.count", want.work[m].count, got.work[m].count)]
-            pairs += [(f"work{m}.{f}", getattr(want.work[m], f)[:n], getattr(got.work[m], f)[:n])
-                      for f in ("slot", "start", "end")]
+            pairs += [
+                (f"work{m}.{f}", getattr(want.work[m], f)[:n], getattr(got.work[m], f)[:n])
+                for f in ("slot", "start", "end")
+            ]
             bound = max_work_items(num_tokens, num_loras, m)
             pairs += [(f"work{m}.slot past count", want.work[m].slot[n:bound], got.work[m].slot[n:bound])]
-        failures += [f"L={num_loras} T={num_tokens}: {name} differs" for name, a, b in pairs
-                     if not torch.equal(a, b)]
+        failures += [
+            f"L={num_loras} T={num_tokens}: {name} differs" for name, a, b in pairs if not torch.equal(a, b)
+        ]
     return failures
 
 
 def slice_limit_before_launch() -> list[str]:
     """add_lora with more slices than the Triton expand handles raises before the shrink runs."""
-    from kernels import LoRABatch, add_lora
-    from kernels.triton_ops import MAX_SLICES
+    from loraserve.kernels import LoRABatch, add_lora
+    from loraserve.kernels.triton_ops import MAX_SLICES
 
     num_slices = MAX_SLICES + 1
     gen = torch.Generator().manual_seed(9)

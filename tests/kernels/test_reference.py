@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import LoRABatch, add_lora, lora_expand, lora_shrink
+from loraserve.kernels import LoRABatch, add_lora, lora_expand, lora_shrink
 from tests.kernels.cases import CASES, run_case
 
 

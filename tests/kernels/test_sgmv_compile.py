@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import LoRABatch, triton_ops  # noqa: E402
-from tests.triton_compile import compile_launch, record_launches, resources  # noqa: E402
+from loraserve.kernels import LaunchOptions, LoRABatch, triton_ops
+from tests.helpers.triton_compile import compile_launch, record_launches, resources
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -50,12 +50,11 @@ SHAPES = [
 def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
     num_tokens, num_slices, din, width, max_rank, dtype = shape
     launches = record_launches(monkeypatch, triton_ops, "shrink_kernel", "expand_kernel")
-    monkeypatch.setattr(triton_ops, "USE_PDL", pdl)
-    monkeypatch.setattr(triton_ops, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(triton_ops, "pdl_supported", lambda device: True)  # no GPU here: sm_90 assumed
     y, x, lora_a, lora_b, ranks, offsets = _group(num_tokens, num_slices, din, width, max_rank, dtype)
     batch = LoRABatch.allocate(num_tokens, 4, "cpu", max_slices=num_slices, max_rank=max_rank)
     batch.prepare(torch.zeros(num_tokens, dtype=torch.int32))
-    triton_ops.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets)
+    triton_ops.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, options=LaunchOptions(pdl=pdl))
     if not pdl:  # the standalone ops (never PDL)
         s = torch.zeros(num_slices, num_tokens, max_rank, dtype=torch.float32)
         triton_ops.lora_shrink(x, lora_a, ranks, batch, s)
@@ -90,7 +89,7 @@ def test_64_bit_offset_variants_compile(monkeypatch) -> None:
 
 @pytest.mark.parametrize("max_loras", [1, 64, 300])
 def test_prepare_kernel_compiles(monkeypatch, max_loras) -> None:
-    import kernels.batch_kernel as batch_kernel
+    import loraserve.kernels.batch_kernel as batch_kernel
 
     launches = record_launches(monkeypatch, batch_kernel, "prepare_kernel")
     batch = LoRABatch.allocate(512, max_loras, "cpu")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import LoRABatch, add_lora
-from kernels.batch import max_work_items
+from loraserve.kernels import LaunchOptions, LoRABatch, add_lora
+from loraserve.kernels.batch import max_work_items
 from tests.kernels.cases import CASES, run_case
 
 pytestmark = [
@@ -22,14 +22,13 @@ def test_triton_matches_float64_on_gpu(case, dtype) -> None:
 
 
 @pytest.fixture(params=[True, False], ids=["pdl", "no-pdl"])
-def pdl(request, monkeypatch) -> bool:
+def options(request) -> LaunchOptions:
     """add_lora with and without programmatic dependent launch of its expand."""
-    from kernels import triton_ops
+    from loraserve.kernels import triton_ops
 
     if request.param and not triton_ops.pdl_supported(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("programmatic dependent launch needs compute capability 9.0+ and a Triton that has it")
-    monkeypatch.setattr(triton_ops, "USE_PDL", request.param)
-    return request.param
+    return LaunchOptions(pdl=request.param)
 
 
 def _delta64(x, lora_a, lora_b, ranks: list[int], slots: torch.Tensor, offsets: list[int]) -> torch.Tensor:
@@ -59,13 +58,15 @@ def _group(num_loras: int, widths: list[int], din: int, max_rank: int, ranks: li
 
 
 LLAMA_GROUPS = pytest.mark.parametrize(
-    "widths,din", [([4096, 1024, 1024], 4096), ([14336, 14336], 4096), ([4096], 14336)], ids=["qkv", "gate_up", "down"]
+    "widths,din",
+    [([4096, 1024, 1024], 4096), ([14336, 14336], 4096), ([4096], 14336)],
+    ids=["qkv", "gate_up", "down"],
 )
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 700, 2048])
 @LLAMA_GROUPS
-def test_llama_shapes_mixed_ranks(num_tokens, widths, din, pdl) -> None:
+def test_llama_shapes_mixed_ranks(num_tokens, widths, din, options) -> None:
     torch.manual_seed(num_tokens + din)
     num_loras = 12
     ranks = [8, 64, 16, 1, 64, 33, 8, 0, 64, 8, 16, 64]
@@ -76,7 +77,7 @@ def test_llama_shapes_mixed_ranks(num_tokens, widths, din, pdl) -> None:
     x = torch.randn(num_tokens, din, device="cuda", dtype=torch.bfloat16)
     y0 = torch.randn(num_tokens, offsets[-1], device="cuda", dtype=torch.bfloat16)
     y = y0.clone()
-    add_lora(y, x, lora_a, lora_b, rank_t, batch, offsets)
+    add_lora(y, x, lora_a, lora_b, rank_t, batch, offsets, options=options)
     want = _delta64(x, lora_a, lora_b, ranks, slots, offsets)
     lora_rows = (slots >= 0) & (rank_t[slots.clamp(min=0).long()] > 0)
     assert torch.equal(y[~lora_rows], y0[~lora_rows])
@@ -85,27 +86,29 @@ def test_llama_shapes_mixed_ranks(num_tokens, widths, din, pdl) -> None:
     assert err < 2e-2, float(err)
 
 
-def test_prepare_and_ops_never_synchronize(pdl) -> None:
-    lora_a, lora_b, ranks, offsets = _group(8, [96, 32, 32], 256, 32, [32, 8, 16, 32, 1, 8, 32, 0], torch.float16)
+def test_prepare_and_ops_never_synchronize(options) -> None:
+    lora_a, lora_b, ranks, offsets = _group(
+        8, [96, 32, 32], 256, 32, [32, 8, 16, 32, 1, 8, 32, 0], torch.float16
+    )
     batch = LoRABatch.allocate(256, 8, "cuda", max_slices=3, max_rank=32)
     for num_tokens in (7, 256, 0):
         slots = torch.randint(-1, 8, (num_tokens,), dtype=torch.int32, device="cuda")
         x = torch.randn(num_tokens, 256, device="cuda", dtype=torch.float16)
         y = torch.randn(num_tokens, 160, device="cuda", dtype=torch.float16)
         batch.prepare(slots)
-        add_lora(y, x, lora_a, lora_b, ranks, batch, offsets)  # compile outside the check
+        add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, options=options)  # compile outside the check
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             batch.prepare(slots)
-            add_lora(y, x, lora_a, lora_b, ranks, batch, offsets)
+            add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, options=options)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("num_tokens", [64, 600])
-def test_cuda_graph_replays_with_new_slot_assignments(num_tokens, pdl) -> None:
+def test_cuda_graph_replays_with_new_slot_assignments(num_tokens, options) -> None:
     torch.manual_seed(7)
     num_loras, din = 16, 512
     ranks = [16, 8, 64, 16, 1, 64, 8, 33, 16, 64, 8, 16, 0, 64, 16, 8]
@@ -118,7 +121,7 @@ def test_cuda_graph_replays_with_new_slot_assignments(num_tokens, pdl) -> None:
     def step() -> None:
         batch.prepare(slots)
         for (lora_a, lora_b, rank_t, offsets), y in zip(groups, ys, strict=True):
-            add_lora(y, x, lora_a, lora_b, rank_t, batch, offsets)
+            add_lora(y, x, lora_a, lora_b, rank_t, batch, offsets, options=options)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -151,7 +154,9 @@ def test_cuda_graph_replays_with_new_slot_assignments(num_tokens, pdl) -> None:
             assert torch.equal(y[base], y0[base])
 
 
-@pytest.mark.parametrize("num_loras,num_tokens", [(1, 64), (8, 1), (64, 64), (128, 8192), (300, 1000), (5, 0)])
+@pytest.mark.parametrize(
+    "num_loras,num_tokens", [(1, 64), (8, 1), (64, 64), (128, 8192), (300, 1000), (5, 0)]
+)
 def test_triton_prepare_matches_torch_ops(num_loras, num_tokens) -> None:
     slots = torch.randint(-1, num_loras, (num_tokens,), dtype=torch.int32, device="cuda")
     want, got = (LoRABatch.allocate(8192, num_loras, "cuda") for _ in range(2))

@@ -1,0 +1,168 @@
+"""How fast `loraserve bench` can drive a server from one CPU core: the request rate it sustains.
+
+A token server in its own process (gRPC InferenceWorker.GenerateStream, one single-token message
+every --tpot-ms, as a decoding worker streams; no model) stands in for a worker that is never the
+bottleneck. The generator runs pinned to one core at rising Poisson rates for --duration seconds
+each; a rate is sustained when the completion rate is >= 95% of it and the p99 lag between a
+request's planned and actual send time stays under 50 ms. The serving benchmark compares the
+highest sustained rate with the workers' measured saturation rate (the aim: >= 5x).
+
+    python benchmarks/bench_generator.py [--rates 50,100,200,400,800] [--output-len 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loraserve.clients.bench.results import summarize  # noqa: E402
+from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
+from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
+from loraserve.clients.bench.workload import RequestStream, WorkloadSpec, adapter_ids  # noqa: E402
+
+SUSTAINED_SHARE = 0.95
+MAX_SEND_LAG_MS = 50.0
+
+
+def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
+    """Serve GenerateStream: max_tokens messages of one token, tpot_s apart."""
+    import grpc
+
+    from loraserve.v1 import worker_pb2, worker_pb2_grpc
+
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+    class TokenServer(worker_pb2_grpc.InferenceWorkerServicer):
+        async def GenerateStream(self, request, context):
+            n = request.sampling.max_tokens or 16
+            start = time.perf_counter()
+            for i in range(n):
+                msg = worker_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=[i % 100])
+                if i == n - 1:
+                    msg.finish_reason = worker_pb2.FINISH_REASON_LENGTH
+                    ms = (time.perf_counter() - start) * 1e3
+                    msg.usage.CopyFrom(
+                        worker_pb2.Usage(
+                            prompt_tokens=len(request.prompt_token_ids),
+                            completion_tokens=n,
+                            total_time_ms=ms,
+                        )
+                    )
+                yield msg
+                if i < n - 1:
+                    await asyncio.sleep(tpot_s)
+
+        async def GetWorkerInfo(self, request, context):
+            return worker_pb2.WorkerInfo(vocab_size=32000)
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_InferenceWorkerServicer_to_server(TokenServer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        port_out.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+async def _run_rate(address: str, rate: float, args: argparse.Namespace) -> dict[str, object]:
+    target = WorkerTarget(address, Sampling())
+    await target.start()
+    spec = WorkloadSpec(
+        adapter_ids=adapter_ids(args.num_adapters),
+        popularity="zipf",
+        prompt_len=(args.prompt_len, args.prompt_len),
+        output_len=(args.output_len, args.output_len),
+        rate=rate,
+        seed=1,
+    )
+    runner = Runner(
+        target, RunLimits(None, args.duration), progress_interval_s=None, progress_out=io.StringIO()
+    )
+    cpu0 = time.process_time()
+    result = await runner.run(RequestStream(spec))
+    cpu = time.process_time() - cpu0
+    await target.close()
+    s = summarize(result.records, duration_s=result.duration_s)
+    lag = s["send_lag_ms"]
+    assert isinstance(lag, dict)
+    completed = s["completed"]
+    assert isinstance(completed, int)
+    achieved = completed / args.duration
+    return {
+        "offered_rate": rate,
+        "completed": completed,
+        "failed": s["failed"],
+        "achieved_rate": round(achieved, 2),
+        "messages_per_s": round(achieved * args.output_len, 1),
+        "send_lag_p99_ms": lag["p99"],
+        "ttft_p50_ms": s["ttft_ms"]["p50"],  # type: ignore[index]
+        "cpu_share": round(cpu / max(result.duration_s, 1e-9), 3),
+        "sustained": bool(
+            s["failed"] == 0 and achieved >= SUSTAINED_SHARE * rate and (lag["p99"] or 0) <= MAX_SEND_LAG_MS
+        ),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="50,100,200,400,800", help="offered Poisson rates, req/s")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per rate")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--num-adapters", type=int, default=1000)
+    p.add_argument("--tpot-ms", type=float, default=20.0, help="token server's gap between tokens")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+
+    cores = sorted(os.sched_getaffinity(0))
+    client_core, server_cores = cores[0], set(cores[1:]) or set(cores)
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    server = ctx.Process(target=_token_server, args=(port_q, args.tpot_ms / 1e3, server_cores), daemon=True)
+    server.start()
+    try:
+        address = f"127.0.0.1:{port_q.get(timeout=60)}"
+        os.sched_setaffinity(0, {client_core})
+        rows = []
+        for rate in (float(r) for r in args.rates.split(",")):
+            row = asyncio.run(_run_rate(address, rate, args))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if not row["sustained"]:
+                break
+    finally:
+        server.terminate()
+        server.join(5)
+    sustained = max((r["achieved_rate"] for r in rows if r["sustained"]), default=0.0)
+    out = {
+        "client_core": client_core,
+        "output_len": args.output_len,
+        "prompt_len": args.prompt_len,
+        "tpot_ms": args.tpot_ms,
+        "max_sustained_rate": sustained,
+        "rows": rows,
+    }
+    print(
+        f"\ngenerator on one core sustains {sustained} req/s at {args.output_len} output tokens "
+        f"({sustained * args.output_len:.0f} streamed messages/s)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""What a run measured: one `RequestRecord` per request, and the summary over them (throughput,
+TTFT / time per output token / end-to-end latency percentiles, SLO attainment, errors by status,
+TTFT by the tier the adapter was found in, the workers' adapter activity), as JSON and as a table.
+
+TTFT is from sending the request to its first output token; TPOT is (end - first token) divided by
+the tokens after the first (vLLM's definition); both measured by the client."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from loraserve.clients.bench.worker_metrics import AdapterActivity
+from loraserve.clients.tables import format_table
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    adapter_id: str
+    scheduled_s: float  # planned send time, from the start of the run
+    sent_s: float  # actual send time (later than planned when the generator falls behind)
+    end_s: float = 0.0
+    first_token_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    status: str = "OK"  # or the failure's status: a gRPC code name, "HTTP 503", ...
+    error: str = ""
+    worker: str = ""
+    adapter_tier: str = ""  # gpu, cpu or store when the worker says; "" otherwise
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK"
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token_s is None or self.output_tokens < 2:
+            return None
+        return (self.end_s - self.first_token_s) / (self.output_tokens - 1)
+
+
+def percentiles(values: Sequence[float], ps: Sequence[int] = PERCENTILES) -> dict[str, float | None]:
+    """pXX of values (linear interpolation between order statistics); None with no values."""
+    if not values:
+        return {f"p{p}": None for p in ps}
+    if len(values) == 1:
+        return {f"p{p}": float(values[0]) for p in ps}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {f"p{p}": cuts[p - 1] for p in ps}
+
+
+def _ms(stats: dict[str, float | None], mean: float | None) -> dict[str, float | None]:
+    out = {k: None if v is None else round(v * 1e3, 3) for k, v in stats.items()}
+    out["mean"] = None if mean is None else round(mean * 1e3, 3)
+    return out
+
+
+def _latency(values: list[float]) -> dict[str, float | None]:
+    return _ms(percentiles(values), statistics.fmean(values) if values else None)
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    duration_s: float,
+    slo_ttft_ms: float | None = None,
+    activity: AdapterActivity | None = None,
+) -> dict[str, object]:
+    """The run's summary; duration_s is from the first send to the last completion."""
+    ok = [r for r in records if r.ok]
+    ttfts = [t for r in ok if (t := r.ttft_s) is not None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    span = max(duration_s, 1e-9)
+    summary: dict[str, object] = {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": round(duration_s, 3),
+        "request_throughput": round(len(ok) / span, 3),
+        "output_token_throughput": round(out_tokens / span, 3),
+        "total_output_tokens": out_tokens,
+        "total_prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "ttft_ms": _latency(ttfts),
+        "tpot_ms": _latency([t for r in ok if (t := r.tpot_s) is not None]),
+        "e2e_ms": _latency([r.e2e_s for r in ok]),
+        "send_lag_ms": _latency([r.sent_s - r.scheduled_s for r in records]),
+        "errors": dict(sorted(Counter(r.status for r in records if not r.ok).items())),
+        "base_requests": sum(1 for r in records if not r.adapter_id),
+        "distinct_adapters": len({r.adapter_id for r in records if r.adapter_id}),
+    }
+    if slo_ttft_ms is not None:
+        # every request counts: a failed one missed its target
+        met = sum(1 for t in ttfts if t * 1e3 <= slo_ttft_ms)
+        summary["slo"] = {
+            "ttft_ms": slo_ttft_ms,
+            "met": met,
+            "attainment": round(met / len(records), 4) if records else None,
+        }
+    tiers = sorted({r.adapter_tier for r in ok if r.adapter_tier})
+    if tiers:
+        by_tier: dict[str, object] = {}
+        for tier in tiers:
+            v = [x for r in ok if r.adapter_tier == tier and (x := r.ttft_s) is not None]
+            by_tier[tier] = {"count": len(v), **_latency(v)}
+        summary["ttft_ms_by_tier"] = by_tier
+    workers = Counter(r.worker for r in ok if r.worker)
+    if len(workers) > 1:
+        summary["requests_by_worker"] = dict(sorted(workers.items()))
+    if activity is not None:
+        summary["adapter_activity"] = activity.as_dict()
+    return summary
+
+
+def records_as_dicts(records: Sequence[RequestRecord]) -> list[dict[str, object]]:
+    return [asdict(r) for r in records]
+
+
+def _fmt(v: object) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return str(v)
+
+
+def format_summary(summary: dict[str, object]) -> str:
+    """The summary as the terminal table printed at the end of a run."""
+    lines = [
+        format_table(
+            ("run", ""),
+            [
+                ("requests (completed / failed)", f"{summary['completed']} / {summary['failed']}"),
+                ("duration (s)", _fmt(summary["duration_s"])),
+                ("request throughput (req/s)", _fmt(summary["request_throughput"])),
+                ("output token throughput (tok/s)", _fmt(summary["output_token_throughput"])),
+                ("base-model requests", _fmt(summary["base_requests"])),
+                ("distinct adapters", _fmt(summary["distinct_adapters"])),
+            ],
+        ),
+        "",
+    ]
+    rows = []
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("end-to-end", "e2e_ms")):
+        s = summary[key]
+        assert isinstance(s, dict)
+        rows.append((name, *(_fmt(s[k]) for k in ("mean", "p50", "p90", "p99"))))
+    by_tier = summary.get("ttft_ms_by_tier")
+    if isinstance(by_tier, dict):
+        for tier, s in by_tier.items():
+            rows.append(
+                (
+                    f"TTFT, adapter in {tier} ({s['count']})",
+                    *(_fmt(s[k]) for k in ("mean", "p50", "p90", "p99")),
+                )
+            )
+    lines += [format_table(("latency (ms)", "mean", "p50", "p90", "p99"), rows), ""]
+    slo = summary.get("slo")
+    if isinstance(slo, dict):
+        lines.append(f"TTFT SLO {slo['ttft_ms']} ms: {slo['met']} met, attainment {_fmt(slo['attainment'])}")
+    errors = summary["errors"]
+    assert isinstance(errors, dict)
+    lines.append("errors: " + (", ".join(f"{k} {v}" for k, v in errors.items()) if errors else "none"))
+    act = summary.get("adapter_activity")
+    if isinstance(act, dict):
+        lines.append(
+            "adapter loads: "
+            + ", ".join(f"{tier} {n}" for tier, n in act["loads"].items())
+            + f"; evictions: {', '.join(f'{t} {n}' for t, n in act['evictions'].items()) or 'none'}"
+            + f"; store fetches: {act['store_fetches']}"
+        )
+        lk = act["lookups"]
+        if lk:
+            lines.append("admission lookups: " + ", ".join(f"{k} {v}" for k, v in lk.items()))
+    return "\n".join(lines)

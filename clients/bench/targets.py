@@ -1,0 +1,164 @@
+"""What a benchmark drives: one worker, the router across a fleet, or an OpenAI-compatible HTTP
+endpoint. Each target streams one BenchRequest as `Chunk`s (the runner times them) and turns its
+transport's failures into a `TargetError` whose status names the code (a gRPC status, `HTTP 429`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from loraserve.clients.bench.workload import BenchRequest
+from loraserve.clients.router import WorkerRouter
+from loraserve.clients.worker_client import AsyncWorkerClient, Delta
+
+
+@dataclass(frozen=True)
+class Chunk:
+    tokens: int  # output tokens in this chunk
+    prompt_tokens: int | None = None  # set on the last chunk when the server reports usage
+    completion_tokens: int | None = None
+    worker: str = ""  # which worker served it (router target)
+    adapter_tier: str = ""  # where the worker found the adapter: gpu, cpu, store ("" unknown)
+
+
+class TargetError(Exception):
+    def __init__(self, status: str, message: str = "") -> None:
+        super().__init__(f"{status}: {message}" if message else status)
+        self.status, self.message = status, message
+
+
+class Target(Protocol):
+    description: str
+
+    async def start(self) -> None: ...
+
+    def stream(self, request: BenchRequest) -> AsyncIterator[Chunk]: ...
+
+    async def vocab_size(self) -> int | None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    ignore_eos: bool = True  # generate exactly max_tokens, so output lengths are what was asked
+    timeout_s: float | None = None
+
+
+def _chunk(delta: Delta, worker: str) -> Chunk:
+    u = delta.usage
+    if u is None:
+        return Chunk(len(delta.token_ids), worker=worker)
+    return Chunk(
+        len(delta.token_ids),
+        u.prompt_tokens,
+        u.completion_tokens,
+        worker,
+        getattr(u, "adapter_tier", ""),
+    )
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError) -> TargetError:
+    return TargetError(exc.code().name, exc.details() or "")
+
+
+class WorkerTarget:
+    """One worker over gRPC (GenerateStream)."""
+
+    def __init__(self, address: str, sampling: Sampling, *, token: str | None = None, tls_ca=None) -> None:
+        self.address, self.sampling = address, sampling
+        self.description = f"worker {address}"
+        self.client = AsyncWorkerClient(address, token=token, tls_ca=tls_ca)
+
+    async def start(self) -> None:
+        try:
+            await self.client.info()
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc) from None
+
+    async def vocab_size(self) -> int | None:
+        return int((await self.client.info()).vocab_size) or None
+
+    async def stream(self, request: BenchRequest) -> AsyncIterator[Chunk]:
+        s = self.sampling
+        try:
+            async for delta in self.client.generate_stream(
+                request.prompt,
+                adapter_id=request.adapter_id,
+                max_tokens=request.max_tokens,
+                temperature=s.temperature,
+                ignore_eos=s.ignore_eos,
+                timeout=s.timeout_s,
+            ):
+                yield _chunk(delta, self.address)
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc) from None
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class RouterTarget:
+    """A fleet through the router's choice (adapter residency, load); the streams run on asyncio
+    clients, one per worker. A worker answering UNAVAILABLE before its first token is marked down
+    and the request tried on the next candidate, as the router does."""
+
+    def __init__(
+        self, addresses: Sequence[str], sampling: Sampling, *, token: str | None = None, tls_ca=None
+    ) -> None:
+        self.sampling = sampling
+        self.router = WorkerRouter(addresses, token=token, tls_ca=tls_ca)
+        self.clients = {
+            w.address: AsyncWorkerClient(w.address, token=token, tls_ca=tls_ca) for w in self.router.workers
+        }
+        self.description = f"router over {len(self.clients)} worker(s)"
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.router.candidates)
+
+    async def vocab_size(self) -> int | None:
+        for client in self.clients.values():
+            try:
+                return int((await client.info()).vocab_size) or None
+            except grpc.aio.AioRpcError:
+                continue
+        return None
+
+    async def stream(self, request: BenchRequest) -> AsyncIterator[Chunk]:
+        s = self.sampling
+        # candidates() refreshes residency over blocking RPCs every refresh_s: off the loop
+        candidates = await asyncio.to_thread(self.router.candidates, request.adapter_id)
+        last: grpc.aio.AioRpcError | None = None
+        for w in candidates:
+            started = False
+            try:
+                async for delta in self.clients[w.address].generate_stream(
+                    request.prompt,
+                    adapter_id=request.adapter_id,
+                    max_tokens=request.max_tokens,
+                    temperature=s.temperature,
+                    ignore_eos=s.ignore_eos,
+                    timeout=s.timeout_s,
+                ):
+                    started = True
+                    yield _chunk(delta, w.address)
+            except grpc.aio.AioRpcError as exc:
+                if started or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _rpc_error(exc) from None
+                self.router.mark_down(w)
+                last = exc
+                continue
+            self.router.note_use(w, request.adapter_id)
+            return
+        assert last is not None
+        raise _rpc_error(last)
+
+    async def close(self) -> None:
+        for client in self.clients.values():
+            await client.close()
+        self.router.close()

@@ -1,0 +1,117 @@
+"""What the workers' Prometheus metrics say happened during a run: scrape each `/metrics` before and
+after, and take the difference of the adapter counters (loads by tier, evictions by tier, admission
+lookups by where the adapter was found) summed over the workers. Names follow
+inference_worker/adapters/metrics.py; a fetch from the store is a load into the CPU tier."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
+
+LOADS = "loraserve_worker_adapter_loads_total"
+EVICTIONS = "loraserve_worker_adapter_evictions_total"
+LOOKUPS = "loraserve_worker_adapter_lookups_total"
+GENERATED = "loraserve_worker_generated_tokens_total"
+
+
+def metrics_url(url: str) -> str:
+    """`host:port` or a URL without a path means its /metrics."""
+    if "://" not in url:
+        url = "http://" + url
+    scheme, rest = url.split("://", 1)
+    return url if "/" in rest else f"{scheme}://{rest}/metrics"
+
+
+def parse(text: str) -> dict[Sample, float]:
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError as exc:
+        raise RuntimeError(
+            "reading worker metrics needs prometheus-client: pip install 'loraserve[bench]'"
+        ) from exc
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[Sample, float]:
+    url = metrics_url(url)
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"metrics URL must be http(s), got {url!r}")
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return parse(r.read().decode("utf-8"))
+
+
+def scrape_all(urls: Sequence[str]) -> list[dict[Sample, float]]:
+    return [scrape(u) for u in urls]
+
+
+@dataclass(frozen=True)
+class AdapterActivity:
+    loads: dict[str, int]  # successful loads by tier: cpu = fetched from the store, gpu = into a slot
+    failed_loads: dict[str, int]  # by tier
+    evictions: dict[str, int]  # by tier
+    lookups: dict[str, int]  # admission lookups by where the adapter was: gpu, cpu, miss
+    generated_tokens: int
+
+    @property
+    def store_fetches(self) -> int:
+        return self.loads.get("cpu", 0)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "loads": self.loads,
+            "failed_loads": self.failed_loads,
+            "evictions": self.evictions,
+            "store_fetches": self.store_fetches,
+            "lookups": self.lookups,
+            "generated_tokens": self.generated_tokens,
+        }
+
+
+def _by_label(
+    before: Mapping[Sample, float], after: Mapping[Sample, float], name: str, label: str, **where: str
+) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (sample, labels), value in after.items():
+        if sample != name:
+            continue
+        d = dict(labels)
+        if any(d.get(k) != v for k, v in where.items()) or label not in d:
+            continue
+        delta = value - before.get((sample, labels), 0.0)
+        out[d[label]] = out.get(d[label], 0) + round(delta)
+    return out
+
+
+def _sum(parts: Sequence[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
+
+
+def activity(
+    before: Sequence[Mapping[Sample, float]], after: Sequence[Mapping[Sample, float]]
+) -> AdapterActivity:
+    """The adapter activity between two scrapes of the same workers (in the same order)."""
+    pairs = list(zip(before, after, strict=True))
+    every = [_by_label(b, a, LOADS, "tier") for b, a in pairs]
+    ok = [_by_label(b, a, LOADS, "tier", result="ok") for b, a in pairs]
+    failed = [
+        {t: n - o.get(t, 0) for t, n in e.items() if n > o.get(t, 0)} for e, o in zip(every, ok, strict=True)
+    ]
+    generated = sum(round(a.get((GENERATED, ()), 0.0) - b.get((GENERATED, ()), 0.0)) for b, a in pairs)
+    return AdapterActivity(
+        loads=_sum(ok),
+        failed_loads=_sum(failed),
+        evictions=_sum([_by_label(b, a, EVICTIONS, "tier") for b, a in pairs]),
+        lookups=_sum([_by_label(b, a, LOOKUPS, "result") for b, a in pairs]),
+        generated_tokens=generated,
+    )

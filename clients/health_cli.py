@@ -1,0 +1,58 @@
+"""`loraserve health`: asks a server's standard health service (grpc.health.v1) whether it serves.
+Container health checks run it (the images carry no grpc_health_probe binary).
+
+    loraserve health HOST:PORT [--service NAME] [--timeout S] [--tls] [--ca-cert PEM]
+
+Exit status: 0 SERVING; 1 any other answer (NOT_SERVING while starting or draining, or a service
+name the server does not know); 2 bad usage; 3 no answer (unreachable, deadline exceeded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from loraserve.clients.channel import open_channel
+
+SERVING, NOT_SERVING, USAGE, NO_ANSWER = 0, 1, 2, 3
+
+
+def health_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="loraserve health", description="Check a server through grpc.health.v1 (exit 0 when SERVING)."
+    )
+    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument(
+        "--service",
+        default="",
+        help="service to ask about, e.g. loraserve.v1.AdapterStore (default: the whole server)",
+    )
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument("--ca-cert", default=None, help="PEM root certificate(s) to trust (implies --tls)")
+    args = parser.parse_args(list(argv or []))
+    if args.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    try:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+    except ImportError:
+        print(
+            "loraserve health needs grpcio-health-checking (pip install 'loraserve[server]')", file=sys.stderr
+        )
+        return USAGE
+    target = f"{args.address} {args.service}".rstrip()
+    with open_channel(args.address, tls=args.tls, root_certificates=args.ca_cert) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            print(f"{target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            # NOT_FOUND: the server answered, it just does not know that service name
+            return NOT_SERVING if exc.code() == grpc.StatusCode.NOT_FOUND else NO_ANSWER
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{target}: {status}")
+    return SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING

@@ -1,0 +1,109 @@
+"""The adapters' only path to the coordinator (Redis): one background thread, so neither the
+engine's step loop nor the event loop ever waits on the network.
+
+It reads invalidation events from the stream cursor every `poll_s` and applies them, publishes
+invalidations that the store check queued, and every `interval_s` writes this worker's residency,
+pins and heartbeat. A frozen or unreachable Redis stalls only this thread: the worker keeps serving
+what it holds and its view of the cluster is stale by at most the stall, then reconciles (the
+cursor resumes where it stopped; the Redis coordinator republishes its shadow).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from loraserve.inference_worker.coordination import FIRST_EVENT_ID, Coordinator
+from loraserve.inference_worker.coordination.coordinator import InvalidationEvent
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # invalidation events are read at least this often
+
+
+class CoordinatorSync:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        apply: Callable[[InvalidationEvent], None],
+        flush_residency: Callable[[], int],
+        heartbeat_info: Callable[[], dict[str, float | int | str]],
+        worker_id: str,
+        address: str = "",
+        interval_s: float = 2.0,
+        poll_s: float = POLL_S,
+        heartbeat_ttl_s: float = 10.0,
+    ) -> None:
+        self.coordinator, self.worker_id, self.address = coordinator, worker_id, address
+        self._apply, self._flush, self._info = apply, flush_residency, heartbeat_info
+        self.interval_s, self.poll_s, self.heartbeat_ttl_s = interval_s, poll_s, heartbeat_ttl_s
+        self._cursor = FIRST_EVENT_ID
+        self._outbox: list[tuple[str, str, str]] = []  # invalidations to publish
+        self._outbox_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ one round each
+    def poll_invalidations(self) -> int:
+        """Apply the events published since the last poll; returns how many."""
+        events = self.coordinator.read_invalidations(self._cursor)
+        for e in events:
+            self._apply(e)
+            self._cursor = e.event_id
+        return len(events)
+
+    def publish_queued(self) -> int:
+        with self._outbox_lock:
+            queued, self._outbox = self._outbox, []
+        for adapter_id, digest, reason in queued:
+            self.coordinator.publish_invalidation(adapter_id, digest, reason)
+        return len(queued)
+
+    def flush_residency(self) -> int:
+        return self._flush()
+
+    def heartbeat(self) -> None:
+        self.coordinator.heartbeat(self.worker_id, self.address, self.heartbeat_ttl_s, self._info())
+
+    # ------------------------------------------------------------------ any thread
+    def publish_invalidation(self, adapter_id: str, digest: str, reason: str) -> None:
+        """Queue an invalidation for every worker sharing the coordinator (this one included)."""
+        with self._outbox_lock:
+            self._outbox.append((adapter_id, digest, reason))
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="adapter-coordinator-sync", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread, then drop this worker's heartbeat (bounded: a frozen Redis is left behind)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return  # stuck on the coordinator; the heartbeat expires by itself
+            self._thread = None
+        done = threading.Thread(target=self.coordinator.release_worker, args=(self.worker_id,), daemon=True)
+        done.start()
+        done.join(timeout)
+
+    def _run(self) -> None:
+        next_flush = 0.0
+        while not self._stop.is_set():
+            try:
+                self.publish_queued()
+                self.poll_invalidations()
+                if time.monotonic() >= next_flush:
+                    next_flush = time.monotonic() + self.interval_s
+                    self.flush_residency()
+                    self.heartbeat()
+            except Exception:
+                log.exception("adapter coordination round failed")
+            self._wake.wait(self.poll_s)
+            self._wake.clear()

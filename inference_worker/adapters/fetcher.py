@@ -1,0 +1,141 @@
+"""Single-flight fetches from the adapter source (the store) on the worker's event loop.
+
+However many sequences and admin calls want one version, one fetch runs; every sequence waiting
+for it is remembered, so a failed fetch fails exactly those (the next request tries again). A
+fetch that an invalidation overtook (the store changed the adapter meanwhile) is repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loraserve.inference_worker.adapters.metrics import AdapterMetrics
+from loraserve.inference_worker.adapters.refs import AdapterRef
+from loraserve.inference_worker.errors import DependencyUnavailable, NoAdapterStore, WorkerError
+from loraserve.inference_worker.lora.payload import AdapterPayload
+
+MAX_STALE_RETRIES = 3
+MAX_FAILED_KEPT = 4096
+
+
+class AdapterSource(Protocol):
+    async def fetch(self, adapter_id: str, digest: str = "") -> AdapterPayload: ...
+
+
+class Installer(Protocol):
+    """What a finished fetch is handed to (the adapter pool): `check` (any thread) raises when the
+    payload does not fit this worker; `generation` and `install` run with the state lock held."""
+
+    def generation(self, adapter_id: str) -> int: ...
+
+    def check(self, payload: AdapterPayload) -> None: ...
+
+    def install(self, payload: AdapterPayload, generation: int) -> bool: ...
+
+
+@dataclass
+class Flight:
+    ref: AdapterRef
+    waiters: set[int] = field(default_factory=set)  # sequence keys
+    future: concurrent.futures.Future[str] | None = None  # -> version key "id@digest"
+
+
+class AdapterFetcher:
+    def __init__(
+        self,
+        source: AdapterSource | None,
+        installer: Installer,
+        lock: threading.RLock,
+        metrics: AdapterMetrics,
+    ) -> None:
+        self.source, self._installer, self._lock, self.metrics = source, installer, lock, metrics
+        self.flights: dict[AdapterRef, Flight] = {}
+        self._failed: dict[int, WorkerError] = {}  # sequence key -> why its adapter cannot load
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_done: Callable[[], None] | None = None) -> None:
+        """Fetches run on `loop`; `on_done` is called (from the loop) whenever one ends."""
+        self._loop = loop
+        if on_done is not None:
+            self._listeners.append(on_done)
+
+    # ------------------------------------------------------------------ under the state lock
+    def fetch(self, ref: AdapterRef, waiter: int | None = None) -> Flight:
+        """The flight bringing `ref` in, started unless one already is; `waiter` (a sequence key)
+        learns of its failure through `take_failure`."""
+        flight = self.flights.get(ref)
+        if flight is None:
+            if self.source is None:
+                raise NoAdapterStore()
+            if self._loop is None or self._loop.is_closed():
+                raise DependencyUnavailable("the worker's adapters are not running (no event loop)")
+            flight = Flight(ref)
+            self.flights[ref] = flight
+            flight.future = asyncio.run_coroutine_threadsafe(self._fly(flight), self._loop)
+        if waiter is not None:
+            flight.waiters.add(waiter)
+        return flight
+
+    def take_failure(self, seq_key: int) -> WorkerError | None:
+        return self._failed.pop(seq_key, None)
+
+    def forget(self, seq_key: int) -> None:
+        """The sequence left (finished, cancelled): stop tracking it."""
+        self._failed.pop(seq_key, None)
+        for f in self.flights.values():
+            f.waiters.discard(seq_key)
+
+    # ------------------------------------------------------------------ event loop
+    async def _fly(self, flight: Flight) -> str:
+        assert self.source is not None
+        ref, t0 = flight.ref, time.perf_counter()
+        try:
+            for _ in range(MAX_STALE_RETRIES):
+                with self._lock:
+                    generation = self._installer.generation(ref.adapter_id)
+                payload = await self.source.fetch(ref.adapter_id, ref.digest)
+                self._installer.check(payload)
+                with self._lock:
+                    if self._installer.install(payload, generation):
+                        self.metrics.loads.labels("cpu", "ok").inc()
+                        self.metrics.load_seconds.labels("cpu").observe(time.perf_counter() - t0)
+                        return payload.key
+            raise DependencyUnavailable(
+                f"adapter {ref.adapter_id!r} kept changing at the store while fetching"
+            )
+        except Exception as exc:
+            err = (
+                exc
+                if isinstance(exc, WorkerError)
+                else DependencyUnavailable(
+                    f"fetching adapter {ref.adapter_id!r} failed: {type(exc).__name__}: {exc}"
+                )
+            )
+            self.metrics.loads.labels("cpu", err.code.lower()).inc()
+            with self._lock:
+                for seq_key in flight.waiters:
+                    self._failed[seq_key] = err
+                # a sequence cancelled while waiting never comes back for its failure: keep few
+                for seq_key in list(self._failed)[: max(0, len(self._failed) - MAX_FAILED_KEPT)]:
+                    del self._failed[seq_key]
+            raise err from None
+        finally:
+            with self._lock:
+                if self.flights.get(ref) is flight:
+                    del self.flights[ref]
+            for listener in self._listeners:
+                listener()
+
+    def run_on_loop(self, coro) -> None:  # type: ignore[no-untyped-def]
+        """Schedule a coroutine on the fetch loop (from any thread); dropped when none runs."""
+        if self._loop is not None and not self._loop.is_closed():
+            asyncio.run_coroutine_threadsafe(coro, self._loop)
+        else:
+            coro.close()

@@ -1,0 +1,166 @@
+"""The worker's composition root: from one `WorkerConfig`, the model, then its adapters (when an
+adapter store is configured: slot buffers, LoRA layers on the model, the store as the source,
+Redis or in-process coordination), then the engine over both, with a KV cache sized from what
+memory is left. Each part is built once here; nothing is installed into another afterwards.
+No gRPC server here (the server binds its port first, so the worker id and address are known).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.contract.payload import TORCH_DTYPES
+from loraserve.inference_worker.adapters.fetcher import AdapterSource
+from loraserve.inference_worker.adapters.pool import AdapterPool
+from loraserve.inference_worker.adapters.store_source import StoreSource
+from loraserve.inference_worker.adapters.worker_adapters import WorkerAdapters
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.coordination import Coordinator, InProcessCoordinator
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
+from loraserve.inference_worker.engine.model_runner import kv_bytes_per_block
+from loraserve.inference_worker.lora.slots import LoRASlots
+from loraserve.inference_worker.model.chat_template import ChatTemplate
+from loraserve.inference_worker.model.config import ModelConfigError
+from loraserve.inference_worker.model.llama import LlamaModel
+from loraserve.inference_worker.model.loader import load_model, load_tokenizer
+from loraserve.kernels import LaunchOptions
+
+log = logging.getLogger("loraserve.worker")
+
+
+@dataclass
+class Worker:
+    engine: LLMEngine
+    adapters: WorkerAdapters | None  # None: base model only (no adapter store configured)
+
+
+def build_worker(config: WorkerConfig, *, source: AdapterSource | None = None) -> Worker:
+    """Model -> adapters -> engine. Adapters come with `config.store_address` (the store as their
+    source) or an explicit `source`. Every configuration problem is a ModelConfigError."""
+    device, dtype = resolve_device(config)
+    model = load_model(config.model, dtype, device)
+    if source is None and config.store_address:
+        source = store_source(config)
+    adapters = build_adapters(config, model, source) if source is not None else None
+    engine_config = engine_config_for(config, model)
+    tokenizer = load_tokenizer(config.model)
+    chat = ChatTemplate.from_dir(config.model, tokenizer)
+    return Worker(LLMEngine(model, tokenizer, engine_config, adapters, chat=chat), adapters)
+
+
+def resolve_device(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ModelConfigError(f"device {config.device} requested but CUDA is not available")
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = TORCH_DTYPES[config.dtype]
+    return device, dtype
+
+
+def store_source(config: WorkerConfig) -> StoreSource:
+    tls_ca = None
+    if config.store_tls_ca:
+        with open(config.store_tls_ca, "rb") as f:
+            tls_ca = f.read()
+    return StoreSource(config.store_address, token=config.store_token or "", tls_root_cert=tls_ca)
+
+
+def build_adapters(config: WorkerConfig, model: LlamaModel, source: AdapterSource) -> WorkerAdapters:
+    """Slot buffers sized max_loras x max_lora_rank on the model's device, LoRA layers attached to
+    the model, launching the kernels with the device's options."""
+    coordinator: Coordinator
+    if config.redis_url:
+        from loraserve.inference_worker.coordination.redis_coordinator import RedisCoordinator
+
+        coordinator = RedisCoordinator(config.redis_url, config.redis_prefix)
+    else:
+        coordinator = InProcessCoordinator()
+    slots = LoRASlots(model.config.raw, config.max_loras, config.max_lora_rank, model.dtype, model.device)
+    pool = AdapterPool(
+        slots,
+        source,
+        coordinator,
+        max_cpu_loras=config.max_cpu_loras,
+        max_cpu_bytes=config.max_cpu_lora_mb << 20,
+        worker_id=config.resolved_worker_id,
+    )
+    list_digests = source.digests if isinstance(source, StoreSource) else None
+    adapters = WorkerAdapters(
+        pool,
+        coordinator,
+        max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+        list_digests=list_digests,
+        interval_s=config.adapter_poll_interval_s,
+        address=config.advertise_address or _default_address(config.host, config.port),
+    )
+    adapters.attach_to(model, LaunchOptions.for_device(model.device))
+    return adapters
+
+
+def engine_config_for(config: WorkerConfig, model: LlamaModel) -> EngineConfig:
+    """The engine's limits; the KV cache takes what device memory is left once the model and the
+    adapter slots are allocated."""
+    max_len = config.max_model_len or min(model.config.max_position_embeddings, 8192)
+    window = model.config.sliding_window
+    if window is not None and max_len > window:
+        # attention here is full, which equals sliding-window attention only up to the window
+        if config.max_model_len:
+            raise ModelConfigError(
+                f"max_model_len {max_len} exceeds the model's sliding_window {window}; "
+                "sliding-window attention is not supported"
+            )
+        max_len = window
+    if max_len > model.config.max_position_embeddings:
+        raise ModelConfigError(
+            f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+            f"{model.config.max_position_embeddings}"
+        )
+    per_block = kv_bytes_per_block(model, config.block_size)
+    if config.num_kv_blocks:
+        num_blocks = config.num_kv_blocks
+    else:
+        if config.kv_cache_mb:
+            budget = config.kv_cache_mb << 20
+        elif model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            budget = int(free * 0.85)
+        else:
+            budget = 256 << 20
+        num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise ModelConfigError(
+            f"the KV cache budget holds {num_blocks} blocks of {per_block} bytes; need >= 2"
+        )
+    log.info(
+        "model %s on %s (%s): %d KV blocks of %d tokens",
+        model.config.name,
+        model.device,
+        model.dtype,
+        num_blocks,
+        config.block_size,
+    )
+    return EngineConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        max_queue_size=config.max_queue_size,
+        default_max_tokens=config.default_max_tokens,
+        use_cuda_graphs=config.cuda_graphs,
+    )
+
+
+def _default_address(host: str, port: int) -> str:
+    """Where other services reach this worker when no advertise address is configured: a wildcard
+    bind is reached through the machine's host name."""
+    return f"{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:{port}"

@@ -1,0 +1,3 @@
+from loraserve.cli import main
+
+raise SystemExit(main())

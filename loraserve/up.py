@@ -1,0 +1,168 @@
+"""`loraserve up`: the system on its embedded default, in one process.
+
+Writes (once) a tiny random Llama and the demo PEFT adapters into --data-dir, starts the adapter
+store in-process (SQLite registry, local adapter root) and registers the demo adapters, starts an
+inference worker fetching from that store (in-process coordination), prints a sample generation
+for the base model and each adapter, then serves until interrupted (--once: exit after that).
+Each service is started by its own `start_*` function returning what it runs and its address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
+from loraserve.adapter_store.server import BackgroundStore
+from loraserve.clients.store_cli import format_table
+from loraserve.clients.store_client import StoreClient
+from loraserve.clients.worker_client import WorkerClient
+
+SAMPLE_PROMPT = "Once upon a time"
+
+
+@dataclass(frozen=True)
+class EmbeddedDefault:
+    data_dir: Path
+    model_dir: Path  # tiny Llama in HF layout
+    adapter_root: Path  # demo adapters, one directory each
+    adapters: dict[str, Path]  # demo adapter id -> directory
+
+    @property
+    def store_dir(self) -> Path:
+        return self.data_dir / "store"
+
+
+def prepare_embedded_default(data_dir: str | Path) -> EmbeddedDefault:
+    """Write the tiny model and the demo adapters under data_dir unless they are already there."""
+    from loraserve.inference_worker.model.tiny import write_tiny_llama
+
+    data = Path(data_dir).resolve()
+    model_dir = data / "model"
+    if not all((model_dir / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json")):
+        write_tiny_llama(model_dir)
+    root = data / "adapters"
+    adapters = write_demo_adapters(root, model_dir)
+    return EmbeddedDefault(data, model_dir, root, adapters)
+
+
+def serving_dtype() -> str:
+    """bf16 on a GPU, fp32 on the CPU: the store optimizes adapters into what the worker computes in."""
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def start_store(
+    default: EmbeddedDefault, host: str = "127.0.0.1", port: int = 50051, **overrides: object
+) -> BackgroundStore:
+    """The adapter store on the embedded default, running in a background thread; `.address`, `.stop()`."""
+    overrides.setdefault("serving_dtype", serving_dtype())
+    config = StoreConfig(
+        base_model=str(default.model_dir),
+        host=host,
+        port=port,
+        data_dir=str(default.store_dir),
+        adapter_root=str(default.adapter_root),
+        **overrides,  # type: ignore[arg-type]
+    )
+    return BackgroundStore(config)
+
+
+def start_worker(
+    default: EmbeddedDefault,
+    store_address: str,
+    host: str = "127.0.0.1",
+    port: int = 50052,
+    **overrides: object,
+):
+    """An inference worker on the embedded model fetching adapters from the store, in a background
+    thread (in-process coordination); `.address`, `.stop()`."""
+    from loraserve.inference_worker.config import WorkerConfig
+    from loraserve.inference_worker.server import BackgroundWorker
+
+    config = WorkerConfig(
+        model=str(default.model_dir),
+        host=host,
+        port=port,
+        store_address=store_address,
+        **overrides,  # type: ignore[arg-type]
+    )
+    return BackgroundWorker(config)
+
+
+def sample_generations(
+    worker_address: str, adapter_ids: Sequence[str], prompt: str = SAMPLE_PROMPT, max_tokens: int = 16
+) -> list[tuple[str, str]]:
+    """(adapter or "(base)", completion) for the base model and each adapter, greedy."""
+    out = []
+    with WorkerClient(worker_address, timeout=120) as w:
+        for adapter_id in ("", *adapter_ids):
+            text = w.generate(prompt, adapter_id=adapter_id, max_tokens=max_tokens).text
+            out.append((adapter_id or "(base)", text))
+    return out
+
+
+def register_demo_adapters(store_address: str, default: EmbeddedDefault) -> list:
+    """Register (or re-register, idempotently) every demo adapter; returns their AdapterInfo."""
+    with StoreClient(store_address) as client:
+        return [client.register(name, name, overwrite=True) for name in default.adapters]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="loraserve up", description="Run the system on its embedded default."
+    )
+    parser.add_argument(
+        "--data-dir", default=".loraserve-demo", help="where the model, adapters and registry live"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--store-port", type=int, default=50051, help="adapter store port (0 picks a free one)"
+    )
+    parser.add_argument(
+        "--worker-port", type=int, default=50052, help="inference worker port (0 picks a free one)"
+    )
+    parser.add_argument("--once", action="store_true", help="exit after setting up instead of serving")
+    args = parser.parse_args(list(argv or []))
+
+    default = prepare_embedded_default(args.data_dir)
+    print(
+        f"embedded default in {default.data_dir}: model {default.model_dir.name}, "
+        f"{len(DEMO_ADAPTERS)} demo adapters"
+    )
+    store = start_store(default, args.host, args.store_port)
+    worker = None
+    try:
+        print(f"adapter store on {store.address}")
+        infos = register_demo_adapters(store.address, default)
+        print(format_table(infos))
+        worker = start_worker(default, store.address, args.host, args.worker_port)
+        print(f"inference worker on {worker.address}")
+        print(f"\nsample generations (greedy, 16 tokens) for {SAMPLE_PROMPT!r}:")
+        for name, text in sample_generations(worker.address, list(default.adapters)):
+            print(f"  {name:<14} -> {text!r}")
+        print(
+            f"\ntry: loraserve generate --worker {worker.address} --adapter {next(iter(default.adapters))} "
+            f"'Hello world'"
+        )
+        if not args.once:
+            print("serving; Ctrl-C to stop")
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            stop.wait()
+    finally:
+        if worker is not None:
+            worker.stop(grace=1.0)
+        store.stop(grace=1.0, drain=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,225 @@
+"""Checkpoints and identifiers built to hurt the store: pattern keys that would backtrack as
+regular expressions, nesting deep enough to exhaust a recursive parser, ids and S3 names with a
+trailing newline, alphas that are no scale at all. Each is refused with INVALID_ARGUMENT and a
+message naming what is wrong, quickly, while health keeps answering."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from loraserve.adapter_store.checkpoint import MAX_JSON_DEPTH, parse_config, parse_header
+from loraserve.adapter_store.errors import InvalidArgument
+from loraserve.adapter_store.pattern_keys import check_pattern_key, key_matches
+from loraserve.adapter_store.service import check_adapter_id
+from loraserve.adapter_store.sources import parse_s3
+from loraserve.adapter_store.validate import module_path
+from loraserve.contract.adapter_layout import MODULES
+from loraserve.v1 import store_pb2
+from tests.adapter_store import bad_checkpoints as bad
+
+C = grpc.StatusCode
+# Backtracks exponentially in PEFT's `(.*\.)?(KEY)$` against any module path.
+EVIL_KEY = "((.+)+)+Z"
+
+
+def register(stub, adapter_id: str, source: str, timeout: float = 30):
+    return stub.RegisterAdapter(
+        store_pb2.RegisterAdapterRequest(adapter_id=adapter_id, source=source), timeout=timeout
+    )
+
+
+def refused(stub, source: str, *fragments: str, code: grpc.StatusCode = C.INVALID_ARGUMENT) -> str:
+    with pytest.raises(grpc.RpcError) as err:
+        register(stub, "candidate", source)
+    assert err.value.code() == code, err.value.details()
+    for f in fragments:
+        assert f in err.value.details(), (f, err.value.details())
+    return err.value.details()
+
+
+def health_latencies(address: str, stop: threading.Event) -> list[float]:
+    """Health Check round trips (seconds) polled until `stop`; a call past 1 s records its timeout."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    out: list[float] = []
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            except grpc.RpcError:
+                pass
+            out.append(time.monotonic() - t0)
+            time.sleep(0.05)
+    return out
+
+
+# -- defect: pattern keys compiled into regular expressions -------------------------------------
+def test_backtracking_pattern_key_is_refused_without_a_regex(stub, adapter_root: Path) -> None:
+    bad.edit_config(
+        bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "evil"), rank_pattern={EVIL_KEY: 4}
+    )
+    t0 = time.monotonic()
+    refused(stub, "evil", f"rank_pattern key {EVIL_KEY!r}", "not accepted")
+    assert time.monotonic() - t0 < 5
+
+
+def test_health_answers_while_a_pathological_checkpoint_is_validated(store, adapter_root: Path) -> None:
+    """Register checkpoints that are slow or hostile to validate while health is polled: every
+    health call answers within 1 s, and each registration is refused with INVALID_ARGUMENT."""
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "evil-alpha")
+    bad.edit_config(d, alpha_pattern={EVIL_KEY: 4.0, "a" * 200: 1.0})
+    # a 16 MiB-class header: one tensor entry per name, far past max_tensors, parsed and counted
+    d2 = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "huge-header")
+    header, data = bad.raw_header(d2)
+    for i in range(60_000):
+        header[f"base_model.model.model.layers.0.mlp.down_proj.x{i}.lora_A.weight"] = {
+            "dtype": "F32",
+            "shape": [0],
+            "data_offsets": [0, 0],
+        }
+    bad.write_raw_safetensors(d2 / bad.WEIGHTS, header, data)
+    stop = threading.Event()
+    latencies: list[float] = []
+    poller = threading.Thread(target=lambda: latencies.extend(health_latencies(store.address, stop)))
+    poller.start()
+    try:
+        with grpc.insecure_channel(store.address) as ch:
+            from loraserve.v1 import store_pb2_grpc
+
+            s = store_pb2_grpc.AdapterStoreStub(ch)
+            time.sleep(0.2)
+            for source, fragment in (("evil-alpha", EVIL_KEY), ("huge-header", "over the limit")):
+                details = refused(s, source)
+                assert fragment in details, details
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        poller.join()
+    assert latencies and max(latencies) < 1.0, latencies
+
+
+PEFT_KEYS = [
+    "down_proj",
+    "mlp.down_proj",
+    "q_proj",
+    "self_attn.q_proj",
+    "layers.1.mlp.down_proj",
+    "model.layers.0.self_attn.q_proj",
+    "^model.layers.0.self_attn.q_proj",
+    "^layers.0.self_attn.q_proj",
+    "model\\.layers\\.1\\.self_attn\\.v_proj",
+    "proj",
+    "_proj",
+    "1.mlp.up_proj",
+]
+
+
+@pytest.mark.parametrize("key", PEFT_KEYS)
+def test_accepted_keys_match_like_peft(key: str) -> None:
+    """On every key we accept, our string match agrees with PEFT's own regex rule (the oracle:
+    these keys are ours, not a checkpoint's)."""
+    from peft.utils.other import get_pattern_key
+
+    assert check_pattern_key(key) is None
+    for layer in range(12):
+        for module in MODULES:
+            path = module_path(layer, module)
+            assert key_matches(key, path) == (get_pattern_key([key], path) == key), (key, path)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [EVIL_KEY, "(v_proj", ".*q_proj", "q_proj|v_proj", "layers.[0-9].mlp", "a" * 257, "", "x..y", "q_proj$"],
+)
+def test_other_keys_are_refused(key: str) -> None:
+    problem = check_pattern_key(key)
+    assert problem is not None and (repr(key) in problem or repr(key[:40]) in problem), problem
+
+
+# -- defect: deeply nested JSON ------------------------------------------------------------------
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 5_000, 200_000])
+def test_deeply_nested_config_is_invalid_argument(depth: int) -> None:
+    with pytest.raises(InvalidArgument, match="nests deeper than"):
+        parse_config(f'{{"r": 8, "x": {_nested(depth)}}}'.encode())
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 200_000])
+def test_deeply_nested_header_is_invalid_argument(depth: int) -> None:
+    raw = f'{{"__metadata__": {_nested(depth)}}}'.encode()
+    with pytest.raises(InvalidArgument, match="nests deeper than"):
+        parse_header(struct.pack("<Q", len(raw)) + raw, max_tensors=10)
+
+
+def test_nested_json_over_grpc_is_invalid_argument(stub, adapter_root: Path) -> None:
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "deep-config")
+    cfg = (d / bad.CONFIG).read_text()
+    (d / bad.CONFIG).write_text(cfg[:-1] + f', "deep": {_nested(100_000)}}}')
+    refused(stub, "deep-config", "adapter_config.json", "nests deeper")
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "deep-header")
+    header, data = bad.raw_header(d)
+    raw = json.dumps(header).encode()[:-1] + f', "__metadata__": {_nested(100_000)}}}'.encode()
+    (d / bad.WEIGHTS).write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    refused(stub, "deep-header", "adapter_model.safetensors header", "nests deeper")
+
+
+# -- defect: `$` matching before a trailing newline -----------------------------------------------
+@pytest.mark.parametrize("adapter_id", ["good\n", "a\n", "x" * 127 + "\n"])
+def test_adapter_id_with_trailing_newline_is_refused(adapter_id: str, stub) -> None:
+    with pytest.raises(InvalidArgument, match="malformed"):
+        check_adapter_id(adapter_id)
+    with pytest.raises(grpc.RpcError) as err:
+        register(stub, adapter_id, "peft-qv-r8")
+    assert err.value.code() == C.INVALID_ARGUMENT and "adapter id" in err.value.details()
+
+
+@pytest.mark.parametrize("source", ["s3://bucket\n/team/x", "s3://bucket/team\n/x", "s3://bucket/team/x\n"])
+def test_s3_names_with_trailing_newline_are_refused(source: str) -> None:
+    with pytest.raises(InvalidArgument, match="not a valid S3 bucket name|is not allowed"):
+        parse_s3(source)
+
+
+def test_worker_refuses_adapter_ids_with_trailing_newline() -> None:
+    from loraserve.inference_worker.adapters.manager import parse_ref
+    from loraserve.inference_worker.errors import InvalidRequest
+
+    for ref in ("good\n", "good@" + "0" * 64 + "\n"):
+        with pytest.raises(InvalidRequest):
+            parse_ref(ref)
+
+
+# -- defect: lora_alpha that is no scale -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "changes,fragment",
+    [
+        ({"lora_alpha": 0}, "lora_alpha must be a finite number > 0, got 0"),
+        ({"lora_alpha": -16}, "lora_alpha must be a finite number > 0, got -16"),
+        ({"alpha_pattern": {"v_proj": 0.0}}, "alpha_pattern['v_proj'] must be a finite number > 0"),
+        ({"alpha_pattern": {"v_proj": -2}}, "alpha_pattern['v_proj'] must be a finite number > 0"),
+    ],
+)
+def test_non_positive_alpha_is_refused(changes: dict, fragment: str, stub, adapter_root: Path) -> None:
+    bad.edit_config(bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "alpha"), **changes)
+    refused(stub, "alpha", fragment)
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_alpha_is_refused(literal: str, stub, adapter_root: Path) -> None:
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "alpha-nf")
+    cfg = json.loads((d / bad.CONFIG).read_text())
+    cfg["lora_alpha"] = "ALPHA"
+    (d / bad.CONFIG).write_text(json.dumps(cfg).replace('"ALPHA"', literal))
+    refused(stub, "alpha-nf", "lora_alpha must be a finite number > 0")

@@ -1,0 +1,335 @@
+"""`loraserve bench` end to end against a real adapter store and worker (tiny model, CPU): the
+results' counts and fields, the adapter activity read from the worker's Prometheus endpoint, the
+router across two workers; and the summary and metric-delta arithmetic on known inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.demo import DemoAdapterSpec, write_demo_adapters
+from loraserve.adapter_store.server import BackgroundStore
+from loraserve.clients.bench import worker_metrics
+from loraserve.clients.bench.cli import bench_main
+from loraserve.clients.bench.results import RequestRecord, percentiles, summarize
+from loraserve.clients.bench.runner import RunLimits, Runner
+from loraserve.clients.bench.targets import Chunk, TargetError
+from loraserve.clients.bench.workload import BenchRequest, RequestStream, WorkloadSpec, adapter_ids
+from loraserve.clients.router import discover_workers
+from loraserve.clients.store_client import StoreClient
+from loraserve.clients.worker_client import WorkerClient
+from loraserve.inference_worker.adapters.metrics import AdapterMetrics
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.server import BackgroundWorker
+
+NUM_ADAPTERS = 5
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A store with NUM_ADAPTERS adapters and two workers with 2 GPU slots and 3 CPU entries each,
+    so a run over all five adapters loads, fetches and evicts."""
+    root = tmp_path_factory.mktemp("bench-adapters")
+    ids = adapter_ids(NUM_ADAPTERS, "bench-{i}")
+    specs = tuple(
+        DemoAdapterSpec(aid, r=2 + i % 3, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=i)
+        for i, aid in enumerate(ids)
+    )
+    write_demo_adapters(root, tiny_model_dir, specs)
+    store = BackgroundStore(
+        StoreConfig(
+            base_model=str(tiny_model_dir),
+            port=0,
+            adapter_root=str(root),
+            data_dir=str(tmp_path_factory.mktemp("bench-store")),
+            serving_dtype="float32",
+            log_level="WARNING",
+        )
+    )
+    with StoreClient(store.address) as client:
+        for aid in ids:
+            client.register(aid, aid)
+    workers = [
+        BackgroundWorker(
+            WorkerConfig(
+                model=str(tiny_model_dir),
+                port=0,
+                metrics_port=0,
+                device="cpu",
+                dtype="float32",
+                store_address=store.address,
+                max_loras=2,
+                max_cpu_loras=3,
+                max_num_seqs=8,
+                num_kv_blocks=256,
+                log_level="WARNING",
+            )
+        )
+        for _ in range(2)
+    ]
+    yield store, workers, ids
+    for w in workers:
+        w.stop()
+    store.stop()
+
+
+def _metrics_url(worker: BackgroundWorker) -> str:
+    assert worker.server is not None and worker.server.metrics_port
+    return f"127.0.0.1:{worker.server.metrics_port}"
+
+
+def _sample(worker: BackgroundWorker, name: str, **labels: str) -> float:
+    assert worker.server is not None
+    return worker.server.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_run_against_a_worker_reports_counts_latencies_and_tier_activity(served, tmp_path: Path) -> None:
+    _, workers, ids = served
+    worker = workers[0]
+    names = (
+        ("loraserve_worker_adapter_loads_total", {"tier": "cpu", "result": "ok"}),
+        ("loraserve_worker_adapter_loads_total", {"tier": "gpu", "result": "ok"}),
+        ("loraserve_worker_adapter_evictions_total", {"tier": "gpu"}),
+        ("loraserve_worker_adapter_evictions_total", {"tier": "cpu"}),
+    )
+    before = [_sample(worker, n, **lb) for n, lb in names]
+    with WorkerClient(worker.address) as client:
+        vocab = client.info().vocab_size
+    out = tmp_path / "result.json"
+    n = 24
+    rc = bench_main(
+        [
+            "--worker", worker.address,
+            "--metrics-url", _metrics_url(worker),
+            "--num-adapters", str(NUM_ADAPTERS), "--adapter-format", "bench-{i}",
+            "--popularity", "zipf", "--zipf-exponent", "1.0", "--base-share", "0.2",
+            "--rate", "40", "--num-requests", str(n),
+            "--prompt-len", "4:12", "--output-len", "3:6",
+            "--seed", "3", "--slo-ttft-ms", "60000",
+            "--result-json", str(out), "--save-requests", "--progress-interval", "0",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    after = [_sample(worker, n, **lb) for n, lb in names]
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["requests"] == s["completed"] == n and s["failed"] == 0 and s["errors"] == {}
+    expected = RequestStream(
+        WorkloadSpec(
+            adapter_ids=ids, popularity="zipf", base_share=0.2, prompt_len=(4, 12), output_len=(3, 6),
+            vocab_size=vocab, rate=40.0, seed=3,
+        )
+    ).take(n)  # fmt: skip
+    # the stream sent is the seeded one: adapters in order, exact output lengths (ignore_eos)
+    assert [r["adapter_id"] for r in doc["requests"]] == [r.adapter_id for r in expected]
+    assert [r["output_tokens"] for r in doc["requests"]] == [r.max_tokens for r in expected]
+    assert [r["prompt_tokens"] for r in doc["requests"]] == [len(r.prompt) for r in expected]
+    assert {r["worker"] for r in doc["requests"]} == {worker.address}
+    assert s["total_output_tokens"] == sum(r.max_tokens for r in expected)
+    assert s["base_requests"] == sum(1 for r in expected if not r.adapter_id)
+    assert s["request_throughput"] > 0 and s["output_token_throughput"] > s["request_throughput"]
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        stats = s[key]
+        assert set(stats) == {"p50", "p90", "p99", "mean"}
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
+    assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
+    assert s["slo"] == {"ttft_ms": 60000.0, "met": n, "attainment": 1.0}
+    # adapter activity is the worker's own counters' movement during the run
+    act = s["adapter_activity"]
+    assert act["loads"].get("cpu", 0) == after[0] - before[0]
+    assert act["loads"].get("gpu", 0) == after[1] - before[1]
+    assert act["evictions"].get("gpu", 0) == after[2] - before[2]
+    assert act["evictions"].get("cpu", 0) == after[3] - before[3]
+    assert act["store_fetches"] == act["loads"]["cpu"] >= 1
+    assert act["loads"]["gpu"] >= 1
+    assert sum(act["lookups"].values()) >= n - s["base_requests"]
+    assert act["generated_tokens"] == s["total_output_tokens"]
+
+
+def test_run_through_the_router_spreads_over_both_workers(served, tmp_path: Path) -> None:
+    _, workers, _ = served
+    out = tmp_path / "router.json"
+    rc = bench_main(
+        [
+            "--worker", ",".join(w.address for w in workers),
+            *[a for w in workers for a in ("--metrics-url", _metrics_url(w))],
+            "--num-adapters", str(NUM_ADAPTERS), "--adapter-format", "bench-{i}",
+            "--concurrency", "4", "--num-requests", "30",
+            "--prompt-len", "4", "--output-len", "2", "--seed", "9",
+            "--result-json", str(out), "--progress-interval", "0",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["completed"] == 30
+    # adapters have stable homes on different workers: both served some
+    assert set(s["requests_by_worker"]) == {w.address for w in workers}
+    assert s["adapter_activity"]["generated_tokens"] == 60
+
+
+@pytest.mark.redis
+def test_fleet_discovered_through_redis(
+    served, tiny_model_dir: Path, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    store, _, _ = served
+    worker = BackgroundWorker(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            port=0,
+            device="cpu",
+            dtype="float32",
+            store_address=store.address,
+            redis_url=redis_url,
+            redis_prefix=redis_prefix,
+            max_loras=2,
+            max_cpu_loras=3,
+            num_kv_blocks=128,
+            log_level="WARNING",
+        )
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while worker.address not in discover_workers(redis_url, redis_prefix):  # first heartbeat
+            assert time.monotonic() < deadline, "the worker never registered in Redis"
+            time.sleep(0.1)
+        out = tmp_path / "fleet.json"
+        rc = bench_main(
+            [
+                "--redis-url", redis_url, "--redis-prefix", redis_prefix,
+                "--num-adapters", "2", "--adapter-format", "bench-{i}", "--base-share", "0.5",
+                "--concurrency", "2", "--num-requests", "8", "--prompt-len", "3", "--output-len", "2",
+                "--result-json", str(out), "--progress-interval", "0",
+            ]
+        )  # fmt: skip
+        assert rc == 0
+        doc = json.loads(out.read_text())
+        assert doc["summary"]["completed"] == 8
+        assert doc["target"] == "router over 1 worker(s)"
+    finally:
+        worker.stop()
+
+
+def test_unknown_adapter_is_counted_by_status(served, tmp_path: Path) -> None:
+    _, workers, _ = served
+    out = tmp_path / "errors.json"
+    rc = bench_main(
+        [
+            "--worker", workers[0].address, "--adapter-ids", "bench-0,never-registered",
+            "--concurrency", "2", "--num-requests", "12", "--prompt-len", "3", "--output-len", "2",
+            "--seed", "1", "--result-json", str(out), "--progress-interval", "0",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["failed"] >= 1 and s["completed"] >= 1 and s["completed"] + s["failed"] == 12
+    assert s["errors"] == {"NOT_FOUND": s["failed"]}
+
+
+def test_unreachable_target_is_a_clear_error(capsys) -> None:
+    from tests.helpers.ports import free_port
+
+    rc = bench_main(["--worker", f"127.0.0.1:{free_port()}", "--num-requests", "1", "--vocab-size", "10"])
+    assert rc == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_metric_delta_sums_workers_and_splits_failed_loads() -> None:
+    from prometheus_client import generate_latest
+
+    a, b = AdapterMetrics(), AdapterMetrics()
+    a.loads.labels("cpu", "ok").inc(2)
+    before = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (a, b)]
+    a.loads.labels("cpu", "ok").inc(3)
+    a.loads.labels("gpu", "ok").inc(4)
+    b.loads.labels("gpu", "ok").inc(1)
+    b.loads.labels("cpu", "NOT_FOUND").inc(2)
+    b.evictions.labels("gpu").inc(5)
+    a.lookups.labels("miss").inc(3)
+    b.lookups.labels("gpu").inc(7)
+    after = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (a, b)]
+    act = worker_metrics.activity(before, after)
+    assert act.loads == {"cpu": 3, "gpu": 5}
+    assert act.failed_loads == {"cpu": 2}
+    assert act.evictions == {"gpu": 5}
+    assert act.store_fetches == 3
+    assert act.lookups == {"gpu": 7, "miss": 3}
+    assert worker_metrics.metrics_url("h:9090") == "http://h:9090/metrics"
+    with pytest.raises(ValueError, match="http"):
+        worker_metrics.scrape("file:///etc/passwd")
+
+
+def test_summary_arithmetic_on_known_records() -> None:
+    recs = [
+        RequestRecord(i, "a", 0.0, float(i), end_s=i + 1.0, first_token_s=i + 0.1 * (i + 1), output_tokens=10)
+        for i in range(10)
+    ]
+    recs.append(RequestRecord(10, "", 0.0, 10.0, end_s=10.5, status="RESOURCE_EXHAUSTED"))
+    s = summarize(recs, duration_s=11.0, slo_ttft_ms=500)
+    assert s["completed"] == 10 and s["failed"] == 1
+    assert s["errors"] == {"RESOURCE_EXHAUSTED": 1}
+    assert s["request_throughput"] == round(10 / 11, 3) and s["total_output_tokens"] == 100
+    # TTFTs are 100..1000 ms: p50 = 550, p90 = 910 with linear interpolation
+    assert s["ttft_ms"]["p50"] == pytest.approx(550.0) and s["ttft_ms"]["p90"] == pytest.approx(910.0)
+    assert s["slo"]["met"] == 5 and s["slo"]["attainment"] == round(5 / 11, 4)
+    # TPOT of request 0: (1.0 - 0.1) / 9 tokens
+    assert min(r.tpot_s for r in recs[:10]) == pytest.approx(0.0)  # request 9: first token at its end
+    assert recs[0].tpot_s == pytest.approx(0.1)
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+class _CountingTarget:
+    """An in-memory target recording how many streams are open at once."""
+
+    description = "counting"
+
+    def __init__(self, fail_every: int = 0) -> None:
+        self.open = self.peak = 0
+        self.fail_every = fail_every
+
+    async def start(self) -> None: ...
+
+    async def vocab_size(self) -> int | None:
+        return 10
+
+    async def stream(self, request: BenchRequest):
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            await asyncio.sleep(0.01)
+            if self.fail_every and request.index % self.fail_every == 0:
+                raise TargetError("UNAVAILABLE", "draining")
+            for _ in range(request.max_tokens):
+                yield Chunk(1)
+                await asyncio.sleep(0)
+        finally:
+            self.open -= 1
+
+    async def close(self) -> None: ...
+
+
+def test_closed_loop_holds_its_concurrency_and_records_failures() -> None:
+    target = _CountingTarget(fail_every=5)
+    stream = RequestStream(WorkloadSpec(adapter_ids=("x",), output_len=(3, 3), vocab_size=10))
+    result = asyncio.run(
+        Runner(target, RunLimits(40, None, 3, open_loop=False), progress_interval_s=None).run(stream)
+    )
+    assert target.peak == 3 and len(result.records) == 40
+    assert [r.status for r in result.records].count("UNAVAILABLE") == 8
+    assert all(r.output_tokens == 3 for r in result.records if r.ok)
+
+
+def test_open_loop_stops_sending_at_the_duration_and_caps_in_flight() -> None:
+    target = _CountingTarget()
+    spec = WorkloadSpec(adapter_ids=("x",), output_len=(2, 2), vocab_size=10, rate=400.0, seed=1)
+    progress = io.StringIO()
+    runner = Runner(target, RunLimits(None, 0.25, 2), progress_interval_s=0.05, progress_out=progress)
+    result = asyncio.run(runner.run(RequestStream(spec)))
+    planned = [r for r in RequestStream(spec).take(400) if r.arrival_s < 0.25]
+    assert len(result.records) == len(planned) and target.peak == 2
+    assert "sent" in progress.getvalue() and progress.getvalue().count("\n") >= 2

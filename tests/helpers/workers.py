@@ -1,0 +1,59 @@
+"""Worker set-ups the worker tests share: a small CPU configuration, a stub on an address, and an
+engine driven step by step on the test's thread. grpc and the stubs are imported inside: the
+model/engine tests also run on GPU machines whose grpc may not match the generated stubs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
+from loraserve.inference_worker.model.chat_template import ChatTemplate
+from loraserve.inference_worker.model.loader import load_model, load_tokenizer
+
+
+def worker_config(model_dir: Path, **overrides) -> WorkerConfig:
+    base = dict(
+        model=str(model_dir),
+        port=0,
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        num_kv_blocks=128,
+        max_queue_size=64,
+        log_level="WARNING",
+    )
+    return WorkerConfig(**{**base, **overrides})
+
+
+def stub_for(address: str):
+    import grpc
+
+    from loraserve.v1 import worker_pb2_grpc
+
+    return worker_pb2_grpc.InferenceWorkerStub(grpc.insecure_channel(address))
+
+
+def make_engine(model_dir: Path, **overrides) -> LLMEngine:
+    cfg = EngineConfig(
+        **{
+            **dict(
+                max_num_seqs=8,
+                max_model_len=512,
+                max_num_batched_tokens=32,
+                num_blocks=64,
+                use_cuda_graphs=False,
+            ),
+            **overrides,
+        }
+    )
+    tokenizer = load_tokenizer(model_dir)
+    return LLMEngine(
+        load_model(model_dir, torch.float32, "cpu"),
+        tokenizer,
+        cfg,
+        chat=ChatTemplate.from_dir(model_dir, tokenizer),
+    )

@@ -1,0 +1,270 @@
+"""The adapter pool against a real store: tiers, single flight, pins, failures, versions, and the
+coordinator sync that carries invalidations in and residency out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import torch
+
+from loraserve.inference_worker.adapters import AdapterPool, AdapterRef, WorkerAdapters
+from loraserve.inference_worker.adapters.store_source import StoreSource
+from loraserve.inference_worker.coordination import InProcessCoordinator
+from loraserve.inference_worker.errors import WorkerError
+from loraserve.inference_worker.lora import LoRASlots
+
+
+class Harness:
+    """A pool with its event loop on a thread, like the worker's server provides, and a
+    coordinator sync that the test runs round by round (no thread)."""
+
+    def __init__(
+        self,
+        model_dir,
+        store_address: str,
+        max_loras: int = 3,
+        max_cpu_loras: int = 4,
+        max_cpu_bytes: int = 1 << 30,
+    ) -> None:
+        config = json.loads((model_dir / "config.json").read_text())
+        self.slots = LoRASlots(config, max_loras, 64, torch.float32, "cpu")
+        self.source = StoreSource(store_address, timeout_s=10, max_retries=1)
+        self.coordinator = InProcessCoordinator()
+        self.pool = AdapterPool(
+            self.slots,
+            self.source,
+            self.coordinator,
+            max_cpu_loras=max_cpu_loras,
+            max_cpu_bytes=max_cpu_bytes,
+        )
+        self.adapters = WorkerAdapters(self.pool, self.coordinator, max_tokens=64)
+        self.sync = self.adapters.sync
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.pool.fetcher.start(self.loop)
+
+    def run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def acquire(self, seq_key: int, ref: str):
+        return self.pool.acquire(seq_key, AdapterRef.parse(ref))
+
+    def ensure_cpu(self, ref: str):
+        return self.pool.ensure_cpu(AdapterRef.parse(ref))
+
+    def acquire_eventually(self, seq_key: int, ref: str, timeout: float = 20.0):
+        """acquire() as the scheduler does it: retry each 'step' until admitted or failed."""
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            got = self.acquire(seq_key, ref)
+            if got is not None:
+                return got
+            time.sleep(0.01)
+        raise TimeoutError(ref)
+
+    def close(self) -> None:
+        self.run(self.source.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def harness(tiny_model_dir, lora_store):
+    made: list[Harness] = []
+
+    def make(**kw) -> Harness:
+        h = Harness(tiny_model_dir, lora_store.address, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def code_of(excinfo) -> str:
+    assert isinstance(excinfo.value, WorkerError), excinfo.value
+    return excinfo.value.code
+
+
+def test_single_flight_fetch(harness, lora_store):
+    h = harness()
+    fetches = lora_store.store.service.metrics.value("loraserve_store_fetches_total")
+
+    async def many():
+        return await asyncio.gather(*[h.ensure_cpu("all-r4") for _ in range(8)])
+
+    keys = h.run(many())
+    assert len(set(keys)) == 1 and keys[0].startswith("all-r4@")
+    assert lora_store.store.service.metrics.value("loraserve_store_fetches_total") == fetches + 1
+    assert h.pool.metrics.value("loraserve_worker_adapter_loads_total", {"tier": "cpu", "result": "ok"}) == 1
+    # sequences waiting on the same adapter share that one fetch too
+    assert h.acquire(1, "qv-r8") is None
+    assert h.acquire(2, "qv-r8") is None
+    assert h.acquire_eventually(1, "qv-r8")[0] == h.acquire_eventually(2, "qv-r8")[0]
+    assert lora_store.store.service.metrics.value("loraserve_store_fetches_total") == fetches + 2
+
+
+def test_tiers_are_lru_and_busy_slots_are_never_evicted(harness):
+    h = harness(max_loras=2, max_cpu_loras=3)
+    names = ["qv-r8", "all-r4", "mlp-rs16", "patterned"]
+    for n in names:
+        h.run(h.ensure_cpu(n))
+    held = {s.adapter_id for s in h.pool.list()}
+    assert held == {"all-r4", "mlp-rs16", "patterned"}  # qv-r8 was least recently used
+    assert h.pool.metrics.value("loraserve_worker_adapter_evictions_total", {"tier": "cpu"}) == 1
+    s1, _ = h.acquire_eventually(1, "all-r4")
+    s2, _ = h.acquire_eventually(2, "mlp-rs16")
+    assert {s1, s2} == {0, 1}
+    # both slots are used by running sequences: a third adapter waits (and blocks nobody)
+    assert h.acquire(3, "patterned") is None
+    assert h.acquire(4, "all-r4")[0] == s1
+    h.pool.release(2, num_tokens=5)
+    s3, _ = h.acquire_eventually(3, "patterned")
+    assert s3 == s2  # the idle slot was reused; the busy one kept its adapter
+    assert h.pool.metrics.value("loraserve_worker_adapter_evictions_total", {"tier": "gpu"}) == 1
+    by_id = {s.adapter_id: s for s in h.pool.list()}
+    assert by_id["all-r4"].tier == "gpu" and by_id["all-r4"].num_running == 2
+    assert by_id["mlp-rs16"].tier == "cpu" and by_id["mlp-rs16"].num_tokens == 5
+    assert by_id["patterned"].slot == s2 and by_id["patterned"].num_gpu_loads == 1
+    assert h.pool.metrics.value("loraserve_worker_adapter_slots_used") == 2
+
+
+def test_pins(harness):
+    h = harness(max_loras=3, max_cpu_loras=6)
+    a = h.run(h.adapters.pin_adapter("qv-r8", True))
+    assert a.pinned and a.tier == "gpu"
+    h.run(h.adapters.pin_adapter("all-r4", True))
+    with pytest.raises(WorkerError) as e:
+        h.run(h.adapters.pin_adapter("mlp-rs16", True))
+    assert code_of(e) == "RESOURCE_EXHAUSTED" and "at most 2" in str(e.value)
+    # traffic for other adapters rotates through the one unpinned slot; pins stay put
+    for i, n in enumerate(["mlp-rs16", "patterned", "attn-l1-r2", "mlp-rs16"]):
+        h.acquire_eventually(10 + i, n)
+        h.pool.release(10 + i)
+    by_id = {s.adapter_id: s for s in h.pool.list()}
+    assert by_id["qv-r8"].tier == "gpu" and by_id["qv-r8"].num_gpu_loads == 1
+    assert by_id["all-r4"].tier == "gpu" and by_id["all-r4"].num_gpu_loads == 1
+    assert h.pool.metrics.value("loraserve_worker_adapter_slots_pinned") == 2
+    with pytest.raises(WorkerError) as e:
+        h.run(h.adapters.unload_adapter("qv-r8"))
+    assert code_of(e) == "FAILED_PRECONDITION"
+    assert not h.run(h.adapters.pin_adapter("qv-r8", False)).pinned
+    assert h.run(h.adapters.unload_adapter("qv-r8")) is True
+    assert "qv-r8" not in {s.adapter_id for s in h.pool.list()}
+    assert h.run(h.adapters.unload_adapter("qv-r8")) is False
+
+
+def test_unload_refuses_adapters_in_use(harness):
+    h = harness()
+    h.acquire_eventually(1, "qv-r8")
+    with pytest.raises(WorkerError) as e:
+        h.run(h.adapters.unload_adapter("qv-r8"))
+    assert code_of(e) == "FAILED_PRECONDITION" and "in use" in str(e.value)
+    h.pool.release(1)
+    assert h.run(h.adapters.unload_adapter("qv-r8"))
+
+
+def test_failures_fail_only_their_requests(harness, lora_store):
+    h = harness()
+    with pytest.raises(WorkerError) as e:
+        h.acquire(1, "bad id!")
+    assert code_of(e) == "INVALID_ARGUMENT"
+    assert h.acquire(2, "no-such-adapter") is None
+    assert h.acquire(3, "qv-r8") is None
+    with pytest.raises(WorkerError) as e:
+        h.acquire_eventually(2, "no-such-adapter")
+    assert code_of(e) == "NOT_FOUND"
+    assert h.acquire_eventually(3, "qv-r8")[1]
+    # a retry is a new attempt, not a cached failure
+    assert h.acquire(4, "no-such-adapter") is None
+    assert (
+        h.pool.metrics.value("loraserve_worker_adapter_loads_total", {"tier": "cpu", "result": "not_found"})
+        >= 1
+    )
+
+
+def test_digest_mismatch_is_data_loss(harness, lora_store):
+    h = harness()
+    info = lora_store.register("corrupt-me", "all-r4", overwrite=True)
+    service = lora_store.store.service
+    h.run(h.ensure_cpu("corrupt-me"))  # ensure the store has it cached, then flip a byte there
+    cached = service.cache.get("corrupt-me", info.digest)
+    cached.payload[100] ^= 0xFF
+    try:
+        h.run(h.adapters.unload_adapter("corrupt-me"))
+        with pytest.raises(WorkerError) as e:
+            h.run(h.ensure_cpu("corrupt-me"))
+        assert code_of(e) == "DATA_LOSS"
+    finally:
+        cached.payload[100] ^= 0xFF
+    assert h.run(h.ensure_cpu("corrupt-me")) == f"corrupt-me@{info.digest}"
+
+
+def test_versions_by_digest(harness, lora_store):
+    h = harness()
+    info = lora_store.register("versioned", "qv-r8", overwrite=True)
+    slot, digest = h.acquire_eventually(1, f"versioned@{info.digest}")
+    assert digest == info.digest
+    with pytest.raises(WorkerError) as e:
+        h.acquire_eventually(2, "versioned@" + "0" * 64)
+    assert code_of(e) == "FAILED_PRECONDITION"
+    with pytest.raises(WorkerError) as e:
+        h.acquire(3, "versioned@not-hex")
+    assert code_of(e) == "INVALID_ARGUMENT"
+
+
+def test_invalidation_drops_stale_versions(harness, lora_store):
+    h = harness()
+    old = lora_store.register("swap", "qv-r8", overwrite=True)
+    slot, digest = h.acquire_eventually(1, "swap")
+    assert digest == old.digest
+    new = lora_store.register("swap", "alt-qv-r8", overwrite=True)
+    assert new.digest != old.digest
+    h.coordinator.publish_invalidation("swap", new.digest, "registered")
+    h.sync.poll_invalidations()
+    # the running sequence keeps its version; nothing new is admitted onto it
+    assert h.acquire(2, "swap") is None
+    assert h.pool.list()[0].num_running == 1
+    _, d2 = h.acquire_eventually(2, "swap")
+    assert d2 == new.digest
+    h.pool.release(1)
+    assert {s.digest for s in h.pool.list() if s.adapter_id == "swap"} == {new.digest}
+    assert h.pool.metrics.value("loraserve_worker_adapter_invalidations_total") >= 1
+
+
+def test_pinned_adapter_reloads_its_new_version(harness, lora_store):
+    import time
+
+    h = harness(max_loras=2)
+    lora_store.register("pinned-swap", "qv-r8", overwrite=True)
+    assert h.run(h.adapters.pin_adapter("pinned-swap", True)).tier == "gpu"
+    new = lora_store.register("pinned-swap", "alt-qv-r8", overwrite=True)
+    h.coordinator.publish_invalidation("pinned-swap", new.digest, "registered")
+    h.sync.poll_invalidations()
+    deadline = time.monotonic() + 10
+    while not any(s.digest == new.digest and s.tier == "gpu" and s.pinned for s in h.pool.list()):
+        assert time.monotonic() < deadline, h.pool.list()
+        time.sleep(0.02)
+
+
+def test_residency_reaches_the_coordinator_off_the_step_thread(harness):
+    h = harness(max_loras=2, max_cpu_loras=3)
+    h.acquire_eventually(1, "qv-r8")
+    h.run(h.ensure_cpu("all-r4"))
+    assert h.coordinator.residencies(h.pool.worker_id) == []  # admission wrote nothing to the coordinator
+    assert h.sync.flush_residency() == 2
+    got = {r.adapter_id: r for r in h.coordinator.residencies(h.pool.worker_id)}
+    assert got["qv-r8"].tier == "gpu" and got["qv-r8"].slot >= 0 and got["qv-r8"].last_used > 0
+    assert got["all-r4"].tier == "cpu" and got["all-r4"].last_used == 0
+    h.pool.release(1)
+    h.run(h.adapters.unload_adapter("qv-r8"))
+    h.sync.flush_residency()
+    assert [r.adapter_id for r in h.coordinator.residencies(h.pool.worker_id)] == ["all-r4"]
+    assert h.sync.flush_residency() == 0

@@ -1,0 +1,63 @@
+"""CUDA paths of the engine: the same greedy tokens on CUDA (fp32) as on CPU, and with CUDA graphs
+as without (bf16), for concurrent sequences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
+from loraserve.inference_worker.engine.sequence import RequestOutput, SamplingParams
+from loraserve.inference_worker.model.loader import load_model, load_tokenizer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = [
+    "Hello world.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Once",
+    "0123456789 + - * /",
+    "Each worker keeps the most recently used adapters in GPU slots and the rest in a CPU cache.",
+]
+
+
+def run(model_dir: Path, device: str, dtype: torch.dtype, graphs: bool) -> list[list[int]]:
+    tok = load_tokenizer(model_dir)
+    engine = LLMEngine(
+        load_model(model_dir, dtype, device),
+        tok,
+        EngineConfig(
+            max_num_seqs=8,
+            max_model_len=512,
+            max_num_batched_tokens=32,
+            num_blocks=128,
+            use_cuda_graphs=graphs,
+        ),
+    )
+    engine.runner.capture_graphs()  # what engine.start() does; this test steps the engine itself
+    outs: list[list[RequestOutput]] = [[] for _ in PROMPTS]
+    for i, p in enumerate(PROMPTS):
+        engine.submit(
+            engine.make_sequence(
+                f"r{i}", p, [], SamplingParams(max_tokens=40 + 9 * i, ignore_eos=True), outs[i].append
+            )
+        )
+    while not all(o and o[-1].finished for o in outs):
+        engine.step()
+    if graphs:
+        assert engine.runner.graphs
+    return [[t for o in out for t in o.token_ids] for out in outs]
+
+
+def test_cuda_fp32_matches_cpu(tiny_model_dir: Path) -> None:
+    assert run(tiny_model_dir, "cuda", torch.float32, graphs=True) == run(
+        tiny_model_dir, "cpu", torch.float32, False
+    )
+
+
+def test_cuda_graphs_match_eager_bf16(tiny_model_dir: Path) -> None:
+    assert run(tiny_model_dir, "cuda", torch.bfloat16, graphs=True) == run(
+        tiny_model_dir, "cuda", torch.bfloat16, graphs=False
+    )

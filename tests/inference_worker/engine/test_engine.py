@@ -1,0 +1,280 @@
+"""The engine on its own, stepped on the test's thread: batching, chunking, preemption, sampling,
+stop conditions, and KV blocks returning to the pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
+from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutput, SamplingParams
+from loraserve.inference_worker.engine.text_stream import TextStream
+from loraserve.inference_worker.errors import InvalidRequest, NoAdapterStore, QueueFull
+from loraserve.inference_worker.model.loader import load_model, load_tokenizer
+from tests.helpers.workers import make_engine
+
+PROMPTS = [
+    "Hello world.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Once",
+    "Each worker keeps the most recently used adapters in GPU slots and the rest in a CPU cache.",
+    "0123456789 + - * /",
+    "loraserve serves many low-rank adapters",
+]
+
+
+def run_all(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[RequestOutput]]:
+    outs: list[list[RequestOutput]] = [[] for _ in requests]
+    for i, (ids, params) in enumerate(requests):
+        engine.submit(engine.make_sequence(f"r{i}", "", ids, params, outs[i].append))
+    while not all(o and o[-1].finished for o in outs):
+        engine.step()
+    return outs
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path):
+    return load_tokenizer(tiny_model_dir)
+
+
+def alone(model_dir: Path, ids: list[int], params: SamplingParams) -> list[int]:
+    return tokens(run_all(make_engine(model_dir), [(ids, params)])[0])
+
+
+def test_batched_equals_alone_with_chunking_and_preemption(tiny_model_dir: Path, tok) -> None:
+    reqs = [
+        (tok.encode(p).ids, SamplingParams(max_tokens=10 + 7 * i, ignore_eos=True))
+        for i, p in enumerate(PROMPTS)
+    ]
+    want = [alone(tiny_model_dir, ids, sp) for ids, sp in reqs]
+    # 14 usable blocks of 16 tokens cannot hold all six sequences: some are preempted and recomputed
+    engine = make_engine(tiny_model_dir, num_blocks=15, max_num_batched_tokens=16, max_num_seqs=6)
+    start_free = engine.num_free_blocks
+    got = [tokens(o) for o in run_all(engine, reqs)]
+    assert got == want
+    assert engine.num_free_blocks == start_free
+    assert engine.num_running == 0 and engine.num_waiting == 0
+
+
+def test_preemption_happens_and_recovers(tiny_model_dir: Path, tok) -> None:
+    engine = make_engine(tiny_model_dir, num_blocks=7, max_num_batched_tokens=16, max_num_seqs=4)
+    ids = tok.encode(PROMPTS[3]).ids
+    reqs = [(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(3)]
+    seqs = []
+    outs: list[list[RequestOutput]] = [[] for _ in reqs]
+    for i, (p, sp) in enumerate(reqs):
+        s = engine.make_sequence(f"p{i}", "", p, sp, outs[i].append)
+        seqs.append(s)
+        engine.submit(s)
+    while not all(o and o[-1].finished for o in outs):
+        engine.step()
+    assert sum(s.num_preemptions for s in seqs) > 0
+    want = alone(tiny_model_dir, ids, reqs[0][1])
+    assert all(tokens(o) == want for o in outs)
+    assert engine.num_free_blocks == 6
+
+
+def test_long_prompt_is_chunked_while_others_decode(tiny_model_dir: Path, tok) -> None:
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=8)
+    short = tok.encode("Hello").ids
+    long = (tok.encode(PROMPTS[3]).ids * 3)[:60]
+    outs: list[list[RequestOutput]] = [[], []]
+    engine.submit(
+        engine.make_sequence(
+            "short", "", short, SamplingParams(max_tokens=30, ignore_eos=True), outs[0].append
+        )
+    )
+    engine.step()
+    engine.submit(
+        engine.make_sequence("long", "", long, SamplingParams(max_tokens=5, ignore_eos=True), outs[1].append)
+    )
+    steps_before_long_token = 0
+    while not outs[1]:
+        engine.step()
+        steps_before_long_token += 1
+    # the 60-token prompt took several steps, and the short sequence decoded in each of them
+    assert steps_before_long_token >= 60 // 8
+    assert len(tokens(outs[0])) >= steps_before_long_token
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir: Path, tok) -> None:
+    ids = tok.encode(PROMPTS[1]).ids
+    sp = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    a = alone(tiny_model_dir, ids, sp)
+    others = [
+        (tok.encode(p).ids, SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=True))
+        for i, p in enumerate(PROMPTS)
+    ]
+    batched = run_all(make_engine(tiny_model_dir), [*others[:3], (ids, sp), *others[3:]])
+    assert tokens(batched[3]) == a
+    other_seed = alone(tiny_model_dir, ids, SamplingParams(**{**sp.__dict__, "seed": 99}))
+    assert other_seed != a
+    greedy = alone(tiny_model_dir, ids, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert a != greedy
+
+
+def test_top_k_one_is_greedy(tiny_model_dir: Path, tok) -> None:
+    ids = tok.encode(PROMPTS[0]).ids
+    greedy = alone(tiny_model_dir, ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert (
+        alone(
+            tiny_model_dir,
+            ids,
+            SamplingParams(max_tokens=12, temperature=5.0, top_k=1, seed=3, ignore_eos=True),
+        )
+        == greedy
+    )
+    assert (
+        alone(
+            tiny_model_dir,
+            ids,
+            SamplingParams(max_tokens=12, temperature=5.0, top_p=1e-6, seed=3, ignore_eos=True),
+        )
+        == greedy
+    )
+
+
+def test_stop_token_ids_eos_and_length(tiny_model_dir: Path, tok) -> None:
+    ids = tok.encode(PROMPTS[0]).ids
+    full = alone(tiny_model_dir, ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine = make_engine(tiny_model_dir)
+    [outs] = run_all(
+        engine, [(ids, SamplingParams(max_tokens=12, stop_token_ids=(full[4],), ignore_eos=True))]
+    )
+    cut = full.index(full[4])
+    assert tokens(outs) == full[:cut] and outs[-1].finish_reason is FinishReason.STOP
+    engine.eos_token_ids = frozenset({full[4]})
+    [outs] = run_all(engine, [(ids, SamplingParams(max_tokens=12))])
+    assert tokens(outs) == full[:cut] and outs[-1].finish_reason is FinishReason.EOS
+    [outs] = run_all(engine, [(ids, SamplingParams(max_tokens=3, ignore_eos=True))])
+    assert tokens(outs) == full[:3] and outs[-1].finish_reason is FinishReason.LENGTH
+    assert outs[-1].usage.completion_tokens == 3 and outs[-1].usage.prompt_tokens == len(ids)
+
+
+def test_stop_string_across_token_boundaries(tiny_model_dir: Path, tok) -> None:
+    ids = tok.encode(PROMPTS[2]).ids
+    engine = make_engine(tiny_model_dir)
+    [full] = run_all(engine, [(ids, SamplingParams(max_tokens=40, ignore_eos=True))])
+    text = "".join(o.text for o in full)
+    out_ids = tokens(full)
+    # a stop string that starts inside one token and ends inside a later one
+    pieces = [tok.decode(out_ids[:i]) for i in range(len(out_ids) + 1)]
+    i = next(i for i in range(2, len(pieces) - 2) if len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    start = len(pieces[i]) - 1 if len(pieces[i]) > len(pieces[i - 1]) else len(pieces[i])
+    stop = text[start : len(pieces[i + 1]) + 1]
+    assert len(stop) >= 3
+    expected = text[: text.find(stop)]
+    [outs] = run_all(
+        engine, [(ids, SamplingParams(max_tokens=40, stop=(stop, "never-there"), ignore_eos=True))]
+    )
+    assert "".join(o.text for o in outs) == expected
+    assert outs[-1].finish_reason is FinishReason.STOP
+
+
+def test_text_stream_holds_back_possible_stop_prefix(tok) -> None:
+    ts = TextStream(tok, ("fox jumps",))
+    released = ""
+    for t in tok.encode("The quick brown fox jumps over").ids:
+        if ts.append(t):
+            break
+        released += ts.take(final=False)
+        assert "fox" not in released  # never released while it may begin the stop string
+    released += ts.take(final=True)
+    assert released == "The quick brown "
+
+
+def test_validation(tiny_model_dir: Path, tok) -> None:
+    engine = make_engine(tiny_model_dir, max_model_len=64, max_queue_size=2, default_max_tokens=7)
+    ids = tok.encode(PROMPTS[0]).ids
+
+    def make(**kw):
+        return engine.make_sequence(
+            "v", "", kw.pop("ids", ids), SamplingParams(**kw), lambda _: None, kw.pop("adapter_id", "")
+        )
+
+    for bad in (
+        dict(temperature=-0.5),
+        dict(top_p=1.5),
+        dict(top_p=0.0),
+        dict(top_k=-1),
+        dict(max_tokens=-1),
+        dict(max_tokens=64),
+        dict(ids=[]),
+        dict(ids=[10**6]),
+    ):
+        with pytest.raises(InvalidRequest):
+            make(**bad)
+    with pytest.raises(NoAdapterStore, match="no adapter store configured"):
+        engine.make_sequence("a", "", ids, SamplingParams(), lambda _: None, "some-adapter")
+    assert make(max_tokens=0).params.max_tokens == 7  # 0 = server default
+    engine.submit(engine.make_sequence("q1", "hi", [], SamplingParams(), lambda _: None))
+    engine.submit(engine.make_sequence("q2", "hi", [], SamplingParams(), lambda _: None))
+    with pytest.raises(QueueFull):
+        engine.submit(engine.make_sequence("q3", "hi", [], SamplingParams(), lambda _: None))
+
+
+def test_abort_frees_blocks(tiny_model_dir: Path, tok) -> None:
+    engine = make_engine(tiny_model_dir)
+    start = engine.num_free_blocks
+    outs: list[RequestOutput] = []
+    engine.submit(
+        engine.make_sequence(
+            "x", "", tok.encode(PROMPTS[3]).ids, SamplingParams(max_tokens=200, ignore_eos=True), outs.append
+        )
+    )
+    for _ in range(5):
+        engine.step()
+    assert engine.num_free_blocks < start
+    engine.abort("x")
+    engine.step()
+    assert engine.num_free_blocks == start
+    assert outs[-1].finish_reason is FinishReason.CANCELLED
+
+
+def test_decode_graphs_are_captured_once_when_the_engine_starts(tiny_model_dir) -> None:
+    """The runner captures its decode graphs when the engine starts — with the LoRA path, since
+    the engine was built with adapters — and never again; steps before that run eagerly."""
+
+    class BaseRequestsOnly:  # the engine's adapter seam, with no adapter ever resident
+        def validate(self, seq) -> None:
+            pass
+
+        def can_admit(self, seq) -> bool:
+            return not seq.adapter_id
+
+        def on_finished(self, seq) -> None:
+            pass
+
+        def lora_batch(self, token_slots):
+            raise AssertionError("no step of this test has adapter rows")
+
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=64, num_blocks=32, use_cuda_graphs=True)
+    model = load_model(tiny_model_dir, torch.float32, "cpu")
+    engine = LLMEngine(model, load_tokenizer(tiny_model_dir), cfg, BaseRequestsOnly())
+    runner = engine.runner
+    captures: list[bool] = []
+
+    def fake_capture() -> None:  # stands in for the CUDA capture: records which path it carries
+        captures.append(runner._graph_lora)
+        runner.graphs = {1: object()}
+
+    runner._want_graphs = True  # as on a CUDA device
+    runner._capture_graphs = fake_capture
+    outs: list[RequestOutput] = []
+    engine.submit(engine.make_sequence("eager", "", [5, 6, 7], SamplingParams(max_tokens=1), outs.append))
+    engine.step()  # a step before start: eager, nothing captured
+    assert outs[-1].finished
+    assert captures == []
+    engine.start()
+    try:
+        assert captures == [True]  # once, with the LoRA path
+        runner.capture_graphs()
+        assert captures == [True]
+    finally:
+        engine.shutdown()

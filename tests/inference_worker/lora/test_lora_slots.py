@@ -1,0 +1,163 @@
+"""Slot buffers and LoRA layers: a payload lands in its slot with no transform, and each row
+gets exactly its own adapter's delta (float64 oracle)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from loraserve.adapter_store.optimize import optimize
+from loraserve.adapter_store.validate import LoraAdapter, LoraModule, scale_of
+from loraserve.contract.adapter_layout import GROUPS, MODULES, group_dims, module_shapes
+from loraserve.contract.payload import PayloadTensor
+from loraserve.inference_worker.lora import AdapterPayload, LoRALayer, LoRASlots
+from loraserve.inference_worker.lora.slots import SlotLoadError
+from loraserve.kernels import LoRABatch
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir) -> dict:
+    return json.loads((tiny_model_dir / "config.json").read_text())
+
+
+def random_adapter(
+    config: dict, targets: dict[str, int], seed: int, layers=(0, 1), rslora=False
+) -> LoraAdapter:
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(config)
+    mods = {}
+    for layer in layers:
+        for m, r in targets.items():
+            n_in, n_out = shapes[m]
+            mods[(layer, m)] = LoraModule(
+                layer,
+                m,
+                r,
+                2.0 * r,
+                scale_of(2.0 * r, r, rslora),
+                torch.randn(r, n_in, generator=g),
+                torch.randn(n_out, r, generator=g),
+            )
+    return LoraAdapter(mods, max(targets.values()), 16.0, rslora)
+
+
+def payload_of(adapter: LoraAdapter, config: dict, name: str, dtype: str = "float32") -> AdapterPayload:
+    opt = optimize(adapter, config, dtype)
+    return AdapterPayload(
+        name,
+        opt.digest,
+        opt.rank,
+        opt.payload,
+        [PayloadTensor(t.name, t.shape, t.dtype, t.offset, t.nbytes) for t in opt.tensors],
+    )
+
+
+def test_load_copies_payload_into_slot(config):
+    slots = LoRASlots(config, max_loras=3, max_rank=16, dtype=torch.float32, device="cpu")
+    ad = random_adapter(config, {"q_proj": 4, "v_proj": 8, "down_proj": 2}, seed=0, layers=(1,))
+    p = payload_of(ad, config, "x")
+    slots.load(2, p)
+    a = slots.a[1]["qkv"][2]  # [3, R, in]
+    assert torch.equal(a[:, :8], p.view(next(t for t in p.tensors if t.name == "layers.1.qkv.lora_a")))
+    b = slots.b[1]["qkv"][2]  # [N, R]
+    assert torch.equal(b[:, :8], p.view(next(t for t in p.tensors if t.name == "layers.1.qkv.lora_b")))
+    ranks = {(layer, g.name): int(slots.group_ranks(layer, g.name)[2]) for layer in (0, 1) for g in GROUPS}
+    assert ranks == {
+        (0, "qkv"): 0,
+        (0, "o"): 0,
+        (0, "gate_up"): 0,
+        (0, "down"): 0,
+        (1, "qkv"): 8,
+        (1, "o"): 0,
+        (1, "gate_up"): 0,
+        (1, "down"): 2,
+    }
+    slots.clear(2)
+    assert int(slots.ranks.abs().sum()) == 0
+
+
+def test_check_rejects_what_does_not_fit(config):
+    slots = LoRASlots(config, max_loras=2, max_rank=4, dtype=torch.float32, device="cpu")
+    big = payload_of(random_adapter(config, {"q_proj": 8}, seed=1), config, "big")
+    with pytest.raises(SlotLoadError, match="rank 8"):
+        slots.check(big)
+    ok = payload_of(random_adapter(config, {"o_proj": 4}, seed=2), config, "ok")
+    bad_name = AdapterPayload(
+        "n", ok.digest, 4, ok.data, [PayloadTensor("layers.0.lm_head.lora_a", (1, 4, 64), "float32", 0, 1024)]
+    )
+    with pytest.raises(SlotLoadError, match="not part of the adapter layout"):
+        slots.check(bad_name)
+    t = ok.tensors[0]
+    wrong_shape = AdapterPayload(
+        "w", ok.digest, 4, ok.data, [PayloadTensor(t.name, (1, 4, 65), t.dtype, 0, 1040)]
+    )
+    with pytest.raises(SlotLoadError, match="does not fit"):
+        slots.check(wrong_shape)
+    with pytest.raises(SlotLoadError, match="layer 7"):
+        slots.check(
+            AdapterPayload(
+                "l",
+                ok.digest,
+                4,
+                ok.data,
+                [PayloadTensor("layers.7.o.lora_a", t.shape, t.dtype, 0, t.nbytes)],
+            )
+        )
+
+
+def test_layer_applies_each_rows_adapter(config):
+    """y += delta of the row's slot, per PEFT's math: scale * (x @ A_i.T) @ B_i.T per slice."""
+    slots = LoRASlots(config, max_loras=4, max_rank=16, dtype=torch.float32, device="cpu")
+    adapters = {
+        0: random_adapter(config, {"q_proj": 4, "k_proj": 2, "v_proj": 8, "up_proj": 16}, seed=3),
+        1: random_adapter(config, dict.fromkeys(MODULES, 3), seed=4, rslora=True),
+        3: random_adapter(config, {"gate_proj": 5, "down_proj": 7, "o_proj": 1}, seed=5, layers=(1,)),
+    }
+    for slot, ad in adapters.items():
+        slots.load(slot, payload_of(ad, config, f"a{slot}"))
+    token_slots = torch.tensor([0, -1, 1, 3, 0, 1, -1, 3, 3], dtype=torch.int32)
+    batch = LoRABatch.allocate(16, 4, "cpu", max_slices=3, max_rank=16)
+    batch.prepare(token_slots)
+    g = torch.Generator().manual_seed(9)
+    for layer, group in itertools.product((0, 1), GROUPS):
+        n_in, outs = group_dims(config, group)
+        x = torch.randn(len(token_slots), n_in, generator=g)
+        y0 = torch.randn(len(token_slots), sum(outs), generator=g)
+        y = y0.clone()
+        LoRALayer(slots, layer, group.name).apply(x, y, batch)
+        want = y0.double()
+        for t, s in enumerate(token_slots.tolist()):
+            if s < 0:
+                continue
+            offsets = list(itertools.accumulate(outs, initial=0))
+            for i, m in enumerate(group.slices):
+                mod = adapters[s].modules.get((layer, m))
+                if mod is not None:
+                    delta = (x[t].double() @ mod.a.double().T) @ (mod.b.double() * mod.scale).T
+                    want[t, offsets[i] : offsets[i + 1]] += delta
+        torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_bytes_needed_matches_allocation(config):
+    slots = LoRASlots(config, max_loras=3, max_rank=8, dtype=torch.bfloat16, device="cpu")
+    allocated = sum(t.nbytes for t in (*slots.a_all.values(), *slots.b_all.values()))
+    assert LoRASlots.bytes_needed(config, 3, 8, torch.bfloat16) == allocated == 3 * slots.slot_bytes()
+
+
+def test_payload_inside_a_larger_buffer(config):
+    """A payload whose bytes are a view into a bigger (reused) buffer lands the same."""
+    ad = random_adapter(config, {"q_proj": 4, "o_proj": 4, "up_proj": 2}, seed=7)
+    p = payload_of(ad, config, "x")
+    big = torch.zeros(p.nbytes + 4096, dtype=torch.uint8)
+    big[128 : 128 + p.nbytes] = p.data
+    shifted = AdapterPayload("x", p.digest, p.rank, big[128 : 128 + p.nbytes], p.tensors)
+    a = LoRASlots(config, max_loras=2, max_rank=8, dtype=torch.float32, device="cpu")
+    b = LoRASlots(config, max_loras=2, max_rank=8, dtype=torch.float32, device="cpu")
+    a.load(1, p)
+    b.load(1, shifted)
+    for g in a.a_all:
+        assert torch.equal(a.a_all[g], b.a_all[g]) and torch.equal(a.b_all[g], b.b_all[g])
+    assert a.a_all["qkv"].abs().sum() > 0

@@ -1,0 +1,49 @@
+"""The worker's Triton kernels (RMSNorm, RoPE + KV-cache write, SiLU x up, paged decode attention)
+compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and Llama-3-8B shapes, and use no more
+registers than they have (tests/helpers/triton_compile.py records the launches of the real wrappers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from loraserve.inference_worker.model import decode_attention, fused_ops
+from tests.helpers.triton_compile import compile_launch, record_launches, resources
+
+# (hidden, intermediate, heads, kv heads, head_dim)
+SHAPES = {"1b": (2048, 8192, 32, 8, 64), "8b": (4096, 14336, 32, 8, 128)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_worker_kernels_compile_for_hopper(monkeypatch, shape) -> None:
+    hidden, inter, nh, nkv, d = SHAPES[shape]
+    t, bf16 = 3, torch.bfloat16
+    launches = record_launches(
+        monkeypatch, fused_ops, "_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel"
+    )
+    record_launches(
+        monkeypatch, decode_attention, "_decode_part_kernel", "_decode_reduce_kernel", into=launches
+    )
+    x = torch.zeros(t, hidden, dtype=bf16)
+    fused_ops.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5)
+    fused_ops.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5, residual=x)
+    cache = torch.zeros(8, 16, nkv, d, dtype=bf16)  # [blocks, block size, kv heads, head_dim]
+    qkv = torch.zeros(t, (nh + 2 * nkv) * d, dtype=bf16)
+    fused_ops.rope_and_cache(
+        qkv, torch.zeros(t, d, dtype=torch.float32), torch.arange(t), cache, cache.clone(), nh, nkv, d
+    )
+    fused_ops.silu_mul(torch.zeros(t, 2 * inter, dtype=bf16))
+    decode_attention.paged_decode_attention(
+        torch.zeros(t, nh, d, dtype=bf16),
+        cache,
+        cache.clone(),
+        torch.zeros(t, 8, dtype=torch.int32),
+        torch.ones(t, dtype=torch.int32),
+        d**-0.5,
+    )
+    assert len(launches) == 6
+    for kernel, args, kwargs in launches:
+        use = resources(compile_launch(kernel, args, kwargs).asm["cubin"])
+        assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, use)

@@ -1,0 +1,150 @@
+"""A hung Redis (SIGSTOP: connections open, nothing answered) under a running store and worker:
+base-model requests and requests for a resident adapter keep their latency, since the engine's
+step loop never waits on the network; after SIGCONT the worker's residency is republished as it
+is now and an invalidation issued by the store is applied."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
+from loraserve.adapter_store.server import BackgroundStore
+from loraserve.clients.store_client import StoreClient
+from loraserve.clients.worker_client import WorkerClient
+from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.server import BackgroundWorker
+from tests.helpers.ports import free_port
+from tests.helpers.private_redis import PrivateRedis
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server binary"),
+]
+PROMPT = [7, 21, 63, 189, 11]
+PREFIX = "loraserve-freeze:"
+ROUNDS = 6
+
+
+@pytest.fixture
+def system(
+    tiny_model_dir: Path, tmp_path: Path
+) -> Iterator[tuple[PrivateRedis, BackgroundStore, BackgroundWorker]]:
+    server = PrivateRedis(tmp_path)
+    server.start()
+    write_demo_adapters(tmp_path / "adapters", tiny_model_dir)
+    store = BackgroundStore(
+        StoreConfig(
+            base_model=str(tiny_model_dir),
+            port=0,
+            data_dir=str(tmp_path / "store"),
+            adapter_root=str(tmp_path / "adapters"),
+            serving_dtype="float32",
+            redis_url=server.url,
+            redis_prefix=PREFIX,
+            log_level="WARNING",
+        )
+    )
+    worker_port = free_port()
+    worker = BackgroundWorker(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            port=worker_port,
+            device="cpu",
+            dtype="float32",
+            store_address=store.address,
+            redis_url=server.url,
+            redis_prefix=PREFIX,
+            worker_id="w-freeze",
+            max_loras=2,
+            max_cpu_loras=4,
+            num_kv_blocks=128,
+            max_num_seqs=8,
+            advertise_address=f"127.0.0.1:{worker_port}",
+            adapter_poll_interval_s=0.2,
+            log_level="ERROR",
+        )
+    )
+    try:
+        yield server, store, worker
+    finally:
+        worker.stop()
+        store.stop()
+        server.stop()
+
+
+def latencies(address: str, adapter_id: str, min_s: float = 0.0) -> tuple[list[float], list[float]]:
+    """Seconds of base and `adapter_id` requests, sent in concurrent pairs (mixed batches), for
+    ROUNDS pairs and at least `min_s` seconds."""
+    base, adapter = [], []
+    end = time.monotonic() + min_s
+    with WorkerClient(address, timeout=60) as w, concurrent.futures.ThreadPoolExecutor(2) as pool:
+
+        def timed(aid: str) -> float:
+            t0 = time.monotonic()
+            w.generate(PROMPT, adapter_id=aid, max_tokens=6)
+            return time.monotonic() - t0
+
+        while len(base) < ROUNDS or time.monotonic() < end:
+            b, a = pool.submit(timed, ""), pool.submit(timed, adapter_id)
+            base.append(b.result())
+            adapter.append(a.result())
+    return base, adapter
+
+
+def _wait(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_frozen_redis_costs_staleness_not_latency(system) -> None:
+    import redis
+
+    server, store, worker = system
+    resident, dropped, other = (s.name for s in DEMO_ADAPTERS)
+    with StoreClient(store.address) as s:
+        old = s.register(resident, resident)
+        s.register(dropped, dropped)
+    with WorkerClient(worker.address, timeout=60) as w:
+        w.load_adapter(resident, "gpu")
+        w.load_adapter(dropped, "cpu")
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    residency = PREFIX + "residency:w-freeze"
+    _wait(lambda: set(r.hkeys(residency)) == {resident, dropped}, what="residency published")
+    latencies(worker.address, resident)  # warm up
+    normal = latencies(worker.address, resident)
+
+    server.freeze()
+    try:
+        time.sleep(0.5)  # the worker's coordination thread is now stuck on Redis
+        # traffic for longer than one round of the Redis client's timeout, retry and back-off
+        frozen = latencies(worker.address, resident, min_s=3.0)
+        with WorkerClient(worker.address, timeout=60) as w:
+            assert w.unload_adapter(dropped)  # a residency change Redis cannot hear of yet
+    finally:
+        server.thaw()
+    for kind, before, during in zip(("base", "adapter"), normal, frozen, strict=True):
+        # generous floors: a loaded 2-core machine jitters by tens of milliseconds; any wait on
+        # Redis costs at least its 1 s socket timeout
+        typical = statistics.median(before)
+        assert statistics.median(during) <= max(2 * typical, typical + 0.25), (kind, before, during)
+        assert max(during) <= typical + 0.75, (kind, before, during)
+
+    _wait(lambda: set(r.hkeys(residency)) == {resident}, what="residency republished as it is now")
+    with StoreClient(store.address) as s:
+        new = s.register(resident, other, overwrite=True)  # an invalidation through the Redis stream
+    assert new.digest != old.digest
+    with WorkerClient(worker.address, timeout=60) as w:
+        _wait(
+            lambda: w.generate(PROMPT, adapter_id=resident, max_tokens=2).adapter_digest == new.digest,
+            what="the invalidation applied",
+        )
