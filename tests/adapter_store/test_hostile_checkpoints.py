@@ -193,12 +193,12 @@ def test_s3_names_with_trailing_newline_are_refused(source: str) -> None:
 
 
 def test_worker_refuses_adapter_ids_with_trailing_newline() -> None:
-    from loraserve.inference_worker.adapters.manager import parse_ref
+    from loraserve.inference_worker.adapters.refs import AdapterRef
     from loraserve.inference_worker.errors import InvalidRequest
 
     for ref in ("good\n", "good@" + "0" * 64 + "\n"):
         with pytest.raises(InvalidRequest):
-            parse_ref(ref)
+            AdapterRef.parse(ref)
 
 
 # -- defect: lora_alpha that is no scale -----------------------------------------------------------
