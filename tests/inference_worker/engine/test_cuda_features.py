@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine, completions, run_request
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.sequence import RequestOutput, SamplingParams
 from loraserve.inference_worker.model.loader import load_model, load_tokenizer
+from tests.helpers.engine_run import completions, run_request
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -149,7 +149,7 @@ def test_stop_token_ids_eos_and_length(tiny_model_dir: Path, tok) -> None:
     )
     cut = full.index(full[4])
     assert tokens(outs) == full[:cut] and outs[-1].finish_reason is FinishReason.STOP
-    engine.eos_token_ids = frozenset({full[4]})
+    engine.requests.eos_token_ids = frozenset({full[4]})
     [outs] = run_all(engine, [(ids, SamplingParams(max_tokens=12))])
     assert tokens(outs) == full[:cut] and outs[-1].finish_reason is FinishReason.EOS
     [outs] = run_all(engine, [(ids, SamplingParams(max_tokens=3, ignore_eos=True))])

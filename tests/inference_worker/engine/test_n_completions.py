@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from loraserve.inference_worker.engine.engine import completions, generate, run_request
 from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutput, SamplingParams
 from loraserve.inference_worker.errors import InvalidRequest
+from tests.helpers.engine_run import completions, generate, run_request
 from tests.helpers.workers import make_engine
 
 

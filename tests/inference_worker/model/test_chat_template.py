@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from loraserve.inference_worker.engine.engine import generate
 from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutput, SamplingParams
 from loraserve.inference_worker.errors import InvalidRequest
 from loraserve.inference_worker.model.chat_template import ChatMessage, ChatTemplate
 from loraserve.inference_worker.model.loader import load_tokenizer
+from tests.helpers.engine_run import generate
 from tests.helpers.workers import make_engine
 
 CONVERSATIONS = [
@@ -98,7 +98,7 @@ def test_stop_tokens_of_a_chat(chat, tiny_model_dir: Path) -> None:
     assert chat.end_of_turn_token_ids == {im_end, eos}
     assert chat.generation_eos_token_ids == {eos, im_end}  # generation_config.json's list
     engine = make_engine(tiny_model_dir)
-    assert {im_end, eos} <= engine.eos_token_ids
+    assert {im_end, eos} <= engine.requests.eos_token_ids
 
 
 def test_bad_messages(chat, tiny_model_dir: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine, generate
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import SamplingParams, Sequence
@@ -17,6 +17,7 @@ from loraserve.inference_worker.engine.text_stream import TextStream
 from loraserve.inference_worker.model.config import ModelConfigError
 from loraserve.inference_worker.model.loader import load_model, load_tokenizer
 from loraserve.inference_worker.model.tiny import TinyLlamaSpec, write_tiny_llama
+from tests.helpers.engine_run import generate
 
 transformers = pytest.importorskip("transformers")
 

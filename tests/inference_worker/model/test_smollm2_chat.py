@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine, run_request
+from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.sequence import RequestOutput, SamplingParams
 from loraserve.inference_worker.model.chat_template import ChatMessage, ChatTemplate
 from loraserve.inference_worker.model.loader import load_model, load_tokenizer
+from tests.helpers.engine_run import run_request
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -95,7 +96,7 @@ def test_greedy_chat_equals_transformers(engine, hf, conv) -> None:
     )
     run_request(engine, seq, outs)
     got = [t for o in outs for t in o.token_ids]
-    eos = engine.eos_token_ids
+    eos = engine.requests.eos_token_ids
     if out[-1] in eos:  # transformers keeps the end-of-turn token, we report it as the finish reason
         assert got == out[:-1] and outs[-1].finish_reason.value == "eos"
     else:

@@ -1,0 +1,17 @@
+"""The engine's limits and sizes (filled from the worker's config by the composition root)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 512  # token budget of one step; longer prompts are chunked
+    block_size: int = 16
+    num_blocks: int = 1024  # KV cache blocks (one is reserved)
+    max_queue_size: int = 256  # waiting requests before RESOURCE_EXHAUSTED
+    default_max_tokens: int = 16
+    use_cuda_graphs: bool = True
