@@ -100,6 +100,8 @@ def build_adapters(config: WorkerConfig, model: LlamaModel, source: AdapterSourc
         max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
         list_digests=list_digests,
         interval_s=config.adapter_poll_interval_s,
+        lookahead=min(config.adapter_lookahead, config.max_cpu_loras // 2),
+        prefetch=config.adapter_prefetch,
         address=config.advertise_address or _default_address(config.host, config.port),
     )
     adapters.attach_to(model, LaunchOptions.for_device(model.device))

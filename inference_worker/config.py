@@ -35,6 +35,10 @@ _HELP = {
     "max_cpu_loras": "adapters kept in the CPU cache",
     "max_lora_rank": "largest adapter rank accepted",
     "max_cpu_lora_mb": "CPU cache budget for adapter payloads, in MiB",
+    "adapter_lookahead": "waiting requests whose adapters are fetched ahead of their turn (0 = off; "
+    "at most half the CPU cache)",
+    "adapter_prefetch": "adapters fetched per coordination round from the fleet's most popular into "
+    "free CPU cache room (0 = off)",
     "adapter_poll_interval_s": "seconds between checks of the store for re-registered or deleted adapters",
     "store_address": "adapter store address host:port (adapters disabled when empty)",
     "store_token": "bearer token sent to the store",
@@ -73,6 +77,8 @@ class WorkerConfig:
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
     max_cpu_lora_mb: int = 8192
+    adapter_lookahead: int = 16
+    adapter_prefetch: int = 8
     adapter_poll_interval_s: float = 2.0
     store_address: str = ""
     store_token: str | None = field(default=None, repr=False)
@@ -113,7 +119,13 @@ class WorkerConfig:
         ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
-        for name in ("max_model_len", "kv_cache_mb", "num_kv_blocks"):
+        for name in (
+            "max_model_len",
+            "kv_cache_mb",
+            "num_kv_blocks",
+            "adapter_lookahead",
+            "adapter_prefetch",
+        ):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
         if self.block_size not in (8, 16, 32, 64, 128):

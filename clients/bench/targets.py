@@ -59,7 +59,7 @@ def _chunk(delta: Delta, worker: str) -> Chunk:
         u.prompt_tokens,
         u.completion_tokens,
         worker,
-        getattr(u, "adapter_tier", ""),
+        u.adapter_tier,
     )
 
 

@@ -3,7 +3,8 @@ engine's step loop nor the event loop ever waits on the network.
 
 It reads invalidation events from the stream cursor every `poll_s` and applies them, publishes
 invalidations that the store check queued, and every `interval_s` writes this worker's residency,
-pins and heartbeat. A frozen or unreachable Redis stalls only this thread: the worker keeps serving
+pins, heartbeat and decayed per-adapter request counts, then hands the fleet's summed counts to
+`on_fleet_popularity` (popularity prefetch). A frozen or unreachable Redis stalls only this thread: the worker keeps serving
 what it holds and its view of the cluster is stale by at most the stall, then reconciles (the
 cursor resumes where it stopped; the Redis coordinator republishes its shadow).
 """
@@ -36,10 +37,13 @@ class CoordinatorSync:
         interval_s: float = 2.0,
         poll_s: float = POLL_S,
         heartbeat_ttl_s: float = 10.0,
+        popularity: Callable[[], dict[str, float]] | None = None,
+        on_fleet_popularity: Callable[[dict[str, float]], object] | None = None,
     ) -> None:
         self.coordinator, self.worker_id, self.address = coordinator, worker_id, address
         self._apply, self._flush, self._info = apply, flush_residency, heartbeat_info
         self.interval_s, self.poll_s, self.heartbeat_ttl_s = interval_s, poll_s, heartbeat_ttl_s
+        self._popularity, self._on_fleet = popularity, on_fleet_popularity
         self._cursor = FIRST_EVENT_ID
         self._outbox: list[tuple[str, str, str]] = []  # invalidations to publish
         self._outbox_lock = threading.Lock()
@@ -68,6 +72,14 @@ class CoordinatorSync:
 
     def heartbeat(self) -> None:
         self.coordinator.heartbeat(self.worker_id, self.address, self.heartbeat_ttl_s, self._info())
+
+    def share_popularity(self) -> None:
+        """Publish this worker's counts (kept for a few rounds), read the fleet's, act on them."""
+        if self._popularity is not None:
+            ttl = max(3 * self.interval_s, self.heartbeat_ttl_s)
+            self.coordinator.publish_popularity(self.worker_id, self._popularity(), ttl)
+        if self._on_fleet is not None:
+            self._on_fleet(self.coordinator.fleet_popularity())
 
     # ------------------------------------------------------------------ any thread
     def publish_invalidation(self, adapter_id: str, digest: str, reason: str) -> None:
@@ -103,6 +115,7 @@ class CoordinatorSync:
                     next_flush = time.monotonic() + self.interval_s
                     self.flush_residency()
                     self.heartbeat()
+                    self.share_popularity()
             except Exception:
                 log.exception("adapter coordination round failed")
             self._wake.wait(self.poll_s)

@@ -4,6 +4,7 @@ budget, least recently used first out."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from loraserve.inference_worker.lora.payload import AdapterPayload
 
@@ -35,9 +36,11 @@ class CpuCache:
     def peek(self, key: str) -> AdapterPayload | None:
         return self._entries.get(key)
 
-    def put(self, payload: AdapterPayload) -> list[str]:
+    def put(self, payload: AdapterPayload, keep: Callable[[str], bool] | None = None) -> list[str]:
         """Insert (as most recently used) and evict LRU entries past the budgets; returns the keys
-        evicted. A payload larger than the whole byte budget is refused with ValueError."""
+        evicted. Entries `keep` answers True for (adapters queued requests wait for) leave only
+        when nothing else is left to evict. A payload larger than the whole byte budget is refused
+        with ValueError."""
         if payload.nbytes > self.max_bytes:
             raise ValueError(
                 f"adapter {payload.adapter_id} needs {payload.nbytes} bytes, over the CPU "
@@ -46,12 +49,25 @@ class CpuCache:
         self.remove(payload.key)
         self._entries[payload.key] = payload
         self.nbytes += payload.nbytes
+        order = list(self._entries)
+        if keep is not None:  # stable: the unkept in LRU order first, then the kept
+            order = [k for k in order if not keep(k)] + [k for k in order if keep(k)]
         evicted = []
-        while len(self._entries) > self.max_adapters or self.nbytes > self.max_bytes:
-            key, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+        for key in order:
+            if len(self._entries) <= self.max_adapters and self.nbytes <= self.max_bytes:
+                break
+            self.remove(key)
             evicted.append(key)
         return evicted
+
+    @property
+    def room(self) -> int:
+        """Entries that fit before anything is evicted (by count, and by bytes at the mean size)."""
+        by_count = self.max_adapters - len(self._entries)
+        if not self._entries:
+            return by_count
+        mean = self.nbytes / len(self._entries)
+        return max(0, min(by_count, int((self.max_bytes - self.nbytes) // max(mean, 1.0))))
 
     def remove(self, key: str) -> bool:
         old = self._entries.pop(key, None)

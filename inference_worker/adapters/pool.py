@@ -20,6 +20,7 @@ import torch
 
 from loraserve.inference_worker.adapters.fetcher import AdapterFetcher, AdapterSource
 from loraserve.inference_worker.adapters.metrics import AdapterMetrics
+from loraserve.inference_worker.adapters.popularity import PopularityCounter
 from loraserve.inference_worker.adapters.refs import AdapterRef, split_key
 from loraserve.inference_worker.adapters.reporting import (
     AdapterStats,
@@ -28,7 +29,7 @@ from loraserve.inference_worker.adapters.reporting import (
     slot_state,
 )
 from loraserve.inference_worker.adapters.residency import ResidencyPublisher
-from loraserve.inference_worker.adapters.slot_table import SlotState
+from loraserve.inference_worker.adapters.slot_table import NOWHERE, SlotState
 from loraserve.inference_worker.adapters.tiers import AdapterTiers
 from loraserve.inference_worker.adapters.versions import VersionBook
 from loraserve.inference_worker.coordination import Coordinator
@@ -70,6 +71,11 @@ class AdapterPool:
         self.versions = VersionBook()
         self.fetcher = AdapterFetcher(source, self, self.lock, self.metrics)
         self._held: dict[int, int] = {}  # sequence key -> slot it holds
+        # set by look-ahead each step: adapter id -> position of the first queued request for it,
+        # sequence key -> its queue position; what they name is evicted last (or not at all)
+        self.wanted: dict[str, int] = {}
+        self.queue_pos: dict[int, int] = {}
+        self.popularity = PopularityCounter()
         self._stats: dict[str, AdapterStats] = {}
         lookups = self.metrics.lookups
         self._lookup_gpu, self._lookup_cpu, self._lookup_miss = (
@@ -97,9 +103,9 @@ class AdapterPool:
                     return self._hold(seq_key, s, new_request)
                 payload = self.tiers.cpu.get(key)
                 if payload is not None:
-                    victim = self.tiers.table.victim()
+                    victim = self.tiers.table.victim(self.wanted, self.queue_pos.get(seq_key, NOWHERE))
                     if victim is None:
-                        return None  # every slot busy or pinned: wait, keep scanning others
+                        return None  # every slot busy, pinned or queued for: wait, keep scanning
                     self._lookup_cpu.inc()
                     self._activate(victim, payload)
                     return self._hold(seq_key, victim, new_request)
@@ -158,8 +164,21 @@ class AdapterPool:
             return False
         if self.versions.learn(aid, payload.digest):
             self.tiers.drop_versions(aid, keep=payload.digest)
-        self.tiers.put_cpu(payload)
+        self.tiers.put_cpu(payload, keep=self._queued_for)
         return True
+
+    def _queued_for(self, key: str) -> bool:
+        return split_key(key)[0] in self.wanted
+
+    def arrival_tier(self, ref: AdapterRef) -> str:
+        """Where this worker holds `ref` now: "gpu", "cpu", or "store" (it must be fetched)."""
+        with self.lock:
+            key = self.versions.resolve(ref)
+            if key is None:
+                return "store"
+            if self.tiers.table.lookup(key) is not None:
+                return "gpu"
+            return "cpu" if key in self.tiers.cpu else "store"
 
     async def ensure_cpu(self, ref: AdapterRef) -> str:
         """Fetch into the CPU tier unless a tier already holds the version; its version key."""
@@ -209,10 +228,11 @@ class AdapterPool:
                 raise DependencyUnavailable(
                     f"adapter {key} left the CPU cache before it reached a slot; retry"
                 )
-            victim = self.tiers.table.victim()
+            victim = self.tiers.table.victim(self.wanted)
             if victim is None:
                 raise AdapterSlotsExhausted(
-                    "no GPU slot can be freed: every slot is pinned or used by running sequences"
+                    "no GPU slot can be freed: every slot is pinned, used by running sequences or "
+                    "held for queued requests"
                 )
             cuda = self.slots.device.type == "cuda"
             if cuda:  # the step thread may still be reading the victim's old weights

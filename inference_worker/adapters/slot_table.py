@@ -4,7 +4,11 @@ The weights themselves live in lora/slots.py."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+NOWHERE = sys.maxsize  # queue position of a request that is not queued
 
 
 @dataclass
@@ -42,14 +46,25 @@ class SlotTable:
     def is_pinned(self, s: SlotState) -> bool:
         return not s.stale and s.adapter_id in self.pins
 
-    def victim(self) -> SlotState | None:
+    def victim(self, wanted: Mapping[str, int] | None = None, before: int = NOWHERE) -> SlotState | None:
         """A free slot, else the least recently used one that no running sequence uses and that is
-        not pinned; None when every slot is busy or pinned."""
+        not pinned; None when every slot is busy or pinned. `wanted` (adapter id -> position of the
+        first queued request for it) keeps the adapters of requests queued ahead of position
+        `before` out of reach, and spares those queued behind it while any other slot is idle."""
         for s in self.slots:
             if s.free:
                 return s
-        idle = [s for s in self.slots if s.running == 0 and not self.is_pinned(s)]
-        return min(idle, key=lambda s: s.last_tick) if idle else None
+        queued = wanted or {}
+        idle = [
+            s
+            for s in self.slots
+            if s.running == 0 and not self.is_pinned(s) and queued.get(s.adapter_id, NOWHERE) >= before
+        ]
+        return min(idle, key=lambda s: (s.adapter_id in queued, s.last_tick)) if idle else None
+
+    def free_slot(self) -> SlotState | None:
+        """A slot that holds nothing (filling it evicts nothing)."""
+        return next((s for s in self.slots if s.free), None)
 
     def assign(
         self, s: SlotState, key: str, adapter_id: str, digest: str, rank: int, size_bytes: int, tick: int

@@ -88,10 +88,11 @@ class AdapterTiers:
         self.update_gauges()
 
     # ------------------------------------------------------------------ CPU tier
-    def put_cpu(self, payload: AdapterPayload) -> None:
-        """Insert as most recently used; LRU entries past the budgets leave."""
+    def put_cpu(self, payload: AdapterPayload, keep: Callable[[str], bool] | None = None) -> None:
+        """Insert as most recently used; LRU entries past the budgets leave, those `keep` answers
+        True for last."""
         try:
-            evicted = self.cpu.put(payload)
+            evicted = self.cpu.put(payload, keep)
         except ValueError as exc:
             raise AdapterSlotsExhausted(str(exc)) from None
         for key in evicted:

@@ -13,7 +13,7 @@ thread: the coordinator is reached only from `CoordinatorSync`'s thread.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from loraserve.inference_worker.adapters.coordinator_sync import CoordinatorSync
 from loraserve.inference_worker.adapters.pool import AdapterPool
 from loraserve.inference_worker.adapters.refs import AdapterRef
+from loraserve.inference_worker.adapters.staging import AheadOfNeed
 from loraserve.inference_worker.adapters.store_check import StoreCheck
 from loraserve.inference_worker.coordination import Coordinator, InvalidationEvent
 from loraserve.inference_worker.engine.adapter_hooks import AdapterState
@@ -30,6 +31,8 @@ from loraserve.inference_worker.lora.layer import LoRALayer
 from loraserve.inference_worker.lora.slots import LoRASlots
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.kernels import LaunchOptions, LoRABatch
+
+POPULARITY_TOP = 256  # adapters of this worker's counts published each round
 
 
 class WorkerAdapters:
@@ -41,9 +44,12 @@ class WorkerAdapters:
         max_tokens: int,
         list_digests: Callable[[], Awaitable[dict[str, str]]] | None = None,
         interval_s: float = 2.0,
+        lookahead: int = 0,
+        prefetch: int = 0,
         address: str = "",
     ) -> None:
         self.pool, self.coordinator = pool, coordinator
+        self.ahead = AheadOfNeed(pool, window=lookahead, max_prefetch=prefetch)
         slots = pool.slots
         # static buffers, prepared by sync-free ops: decode CUDA graphs capture the LoRA path
         self._lora_batch = LoRABatch.allocate(
@@ -57,6 +63,8 @@ class WorkerAdapters:
             worker_id=pool.worker_id,
             address=address,
             interval_s=interval_s,
+            popularity=lambda: pool.popularity.top(POPULARITY_TOP),
+            on_fleet_popularity=self.ahead.prefetch if prefetch else None,
         )
         self.store_check = (
             StoreCheck(list_digests, pool.known_digests, self.sync.publish_invalidation, interval_s)
@@ -107,8 +115,16 @@ class WorkerAdapters:
 
     # ------------------------------------------------------------------ engine seam (EngineAdapters)
     def validate(self, seq: Sequence) -> None:
+        """At submission: a well-formed reference; counts the request for popularity and notes
+        where the adapter is now (the tier the response reports)."""
         if seq.adapter_id:
-            AdapterRef.parse(seq.adapter_id)
+            ref = AdapterRef.parse(seq.adapter_id)
+            seq.adapter_tier = self.pool.arrival_tier(ref)
+            self.pool.popularity.record(ref.adapter_id)
+
+    def look_ahead(self, waiting: Iterable[Sequence]) -> None:
+        if self.ahead.window:
+            self.ahead.look_ahead((s.seq_id, s.adapter_id) for s in waiting)
 
     def can_admit(self, seq: Sequence) -> bool:
         if not seq.adapter_id:

@@ -109,6 +109,7 @@ class Sequence:
     # set by the adapters at admission (can_admit): GPU slot (-1 = base) and the version's digest
     lora_slot: int = -1
     adapter_digest: str = ""
+    adapter_tier: str = ""  # set at submission: where the adapter was then (gpu, cpu, store)
     error: Exception | None = None  # set when admission failed for good (e.g. adapter load)
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -155,6 +156,7 @@ class Sequence:
             queue_time_ms=(admitted - self.arrival_time) * 1e3,
             time_to_first_token_ms=(first - self.arrival_time) * 1e3,
             total_time_ms=(now - self.arrival_time) * 1e3,
+            adapter_tier=self.adapter_tier,
         )
 
 

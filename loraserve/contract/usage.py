@@ -17,11 +17,17 @@ class Usage:
     queue_time_ms: float  # arrival -> admitted into the running batch
     time_to_first_token_ms: float  # arrival -> first generated token
     total_time_ms: float  # arrival -> finished
+    adapter_tier: str = ""  # where the adapter was at arrival: gpu, cpu, store; "" = base model
 
     @classmethod
     def from_pb(cls, u: worker_pb2.Usage) -> Usage:
         return cls(
-            u.prompt_tokens, u.completion_tokens, u.queue_time_ms, u.time_to_first_token_ms, u.total_time_ms
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.queue_time_ms,
+            u.time_to_first_token_ms,
+            u.total_time_ms,
+            u.adapter_tier,
         )
 
     def to_pb(self) -> worker_pb2.Usage:
@@ -33,4 +39,5 @@ class Usage:
             queue_time_ms=self.queue_time_ms,
             time_to_first_token_ms=self.time_to_first_token_ms,
             total_time_ms=self.total_time_ms,
+            adapter_tier=self.adapter_tier,
         )

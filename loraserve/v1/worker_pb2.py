@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loraserve/v1/worker.proto\x12\x0cloraserve.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb1\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\x05\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x42\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfe\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nadapter_id\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.loraserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12+\n\x08messages\x18\x06 \x03(\x0b\x32\x19.loraserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rqueue_time_ms\x18\x03 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x04 \x01(\x01\x12\x15\n\rtotal_time_ms\x18\x05 \x01(\x01\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"\x85\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.loraserve.v1.TopLogprob\"\x9d\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\"\xf9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.loraserve.v1.Usage\x12\x12\n\nadapter_id\x18\x06 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_digest\x18\x07 \x01(\t\x12-\n\x0b\x63ompletions\x18\x08 \x03(\x0b\x32\x18.loraserve.v1.Completion\"\xe1\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.loraserve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\"Q\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\'\n\x04tier\x18\x02 \x01(\x0e\x32\x19.loraserve.v1.AdapterTier\"C\n\x13LoadAdapterResponse\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.loraserve.v1.WorkerAdapter\"*\n\x14UnloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\")\n\x15UnloadAdapterResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"7\n\x11PinAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"B\n\x12PinAdapterResponse\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.loraserve.v1.WorkerAdapter\"\x1b\n\x19ListWorkerAdaptersRequest\"\xa1\x02\n\rWorkerAdapter\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\'\n\x04tier\x18\x03 \x01(\x0e\x32\x19.loraserve.v1.AdapterTier\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12-\n\tlast_used\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04rank\x18\x07 \x01(\x05\x12\x12\n\nsize_bytes\x18\x08 \x01(\x03\x12\x14\n\x0cnum_requests\x18\t \x01(\x03\x12\x12\n\nnum_tokens\x18\n \x01(\x03\x12\x15\n\rnum_gpu_loads\x18\x0b \x01(\x03\x12\x13\n\x0bnum_running\x18\x0c \x01(\x05\"K\n\x1aListWorkerAdaptersResponse\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.loraserve.v1.WorkerAdapter\"\x16\n\x14GetWorkerInfoRequest\"\xb5\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x11\n\tmax_loras\x18\x05 \x01(\x05\x12\x15\n\rmax_cpu_loras\x18\x06 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\n \x01(\x05\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x12\n\nvocab_size\x18\x0c \x01(\x05\x12\x0f\n\x07version\x18\r \x01(\t\x12\x13\n\x0bnum_waiting\x18\x0e \x01(\x05\x12\x13\n\x0bnum_running\x18\x0f \x01(\x05*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*q\n\x0b\x41\x64\x61pterTier\x12\x1c\n\x18\x41\x44\x41PTER_TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41\x44\x41PTER_TIER_GPU\x10\x01\x12\x14\n\x10\x41\x44\x41PTER_TIER_CPU\x10\x02\x12\x18\n\x14\x41\x44\x41PTER_TIER_LOADING\x10\x03\x32\xe6\x04\n\x0fInferenceWorker\x12I\n\x08Generate\x12\x1d.loraserve.v1.GenerateRequest\x1a\x1e.loraserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.loraserve.v1.GenerateRequest\x1a$.loraserve.v1.GenerateStreamResponse0\x01\x12R\n\x0bLoadAdapter\x12 .loraserve.v1.LoadAdapterRequest\x1a!.loraserve.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".loraserve.v1.UnloadAdapterRequest\x1a#.loraserve.v1.UnloadAdapterResponse\x12O\n\nPinAdapter\x12\x1f.loraserve.v1.PinAdapterRequest\x1a .loraserve.v1.PinAdapterResponse\x12\x61\n\x0cListAdapters\x12\'.loraserve.v1.ListWorkerAdaptersRequest\x1a(.loraserve.v1.ListWorkerAdaptersResponse\x12M\n\rGetWorkerInfo\x12\".loraserve.v1.GetWorkerInfoRequest\x1a\x18.loraserve.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loraserve/v1/worker.proto\x12\x0cloraserve.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb1\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\t\n\x01n\x18\t \x01(\x05\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x42\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfe\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nadapter_id\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.loraserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12+\n\x08messages\x18\x06 \x03(\x0b\x32\x19.loraserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x9d\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rqueue_time_ms\x18\x03 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x04 \x01(\x01\x12\x15\n\rtotal_time_ms\x18\x05 \x01(\x01\x12\x14\n\x0c\x61\x64\x61pter_tier\x18\x06 \x01(\t\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"\x85\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.loraserve.v1.TopLogprob\"\x9d\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\"\xf9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.loraserve.v1.Usage\x12\x12\n\nadapter_id\x18\x06 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_digest\x18\x07 \x01(\t\x12-\n\x0b\x63ompletions\x18\x08 \x03(\x0b\x32\x18.loraserve.v1.Completion\"\xe1\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.loraserve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\"Q\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\'\n\x04tier\x18\x02 \x01(\x0e\x32\x19.loraserve.v1.AdapterTier\"C\n\x13LoadAdapterResponse\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.loraserve.v1.WorkerAdapter\"*\n\x14UnloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\")\n\x15UnloadAdapterResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"7\n\x11PinAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"B\n\x12PinAdapterResponse\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.loraserve.v1.WorkerAdapter\"\x1b\n\x19ListWorkerAdaptersRequest\"\xa1\x02\n\rWorkerAdapter\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\'\n\x04tier\x18\x03 \x01(\x0e\x32\x19.loraserve.v1.AdapterTier\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12-\n\tlast_used\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04rank\x18\x07 \x01(\x05\x12\x12\n\nsize_bytes\x18\x08 \x01(\x03\x12\x14\n\x0cnum_requests\x18\t \x01(\x03\x12\x12\n\nnum_tokens\x18\n \x01(\x03\x12\x15\n\rnum_gpu_loads\x18\x0b \x01(\x03\x12\x13\n\x0bnum_running\x18\x0c \x01(\x05\"K\n\x1aListWorkerAdaptersResponse\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.loraserve.v1.WorkerAdapter\"\x16\n\x14GetWorkerInfoRequest\"\xb5\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x11\n\tmax_loras\x18\x05 \x01(\x05\x12\x15\n\rmax_cpu_loras\x18\x06 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\n \x01(\x05\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x12\n\nvocab_size\x18\x0c \x01(\x05\x12\x0f\n\x07version\x18\r \x01(\t\x12\x13\n\x0bnum_waiting\x18\x0e \x01(\x05\x12\x13\n\x0bnum_running\x18\x0f \x01(\x05*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*q\n\x0b\x41\x64\x61pterTier\x12\x1c\n\x18\x41\x44\x41PTER_TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41\x44\x41PTER_TIER_GPU\x10\x01\x12\x14\n\x10\x41\x44\x41PTER_TIER_CPU\x10\x02\x12\x18\n\x14\x41\x44\x41PTER_TIER_LOADING\x10\x03\x32\xe6\x04\n\x0fInferenceWorker\x12I\n\x08Generate\x12\x1d.loraserve.v1.GenerateRequest\x1a\x1e.loraserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.loraserve.v1.GenerateRequest\x1a$.loraserve.v1.GenerateStreamResponse0\x01\x12R\n\x0bLoadAdapter\x12 .loraserve.v1.LoadAdapterRequest\x1a!.loraserve.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".loraserve.v1.UnloadAdapterRequest\x1a#.loraserve.v1.UnloadAdapterResponse\x12O\n\nPinAdapter\x12\x1f.loraserve.v1.PinAdapterRequest\x1a .loraserve.v1.PinAdapterResponse\x12\x61\n\x0cListAdapters\x12\'.loraserve.v1.ListWorkerAdaptersRequest\x1a(.loraserve.v1.ListWorkerAdaptersResponse\x12M\n\rGetWorkerInfo\x12\".loraserve.v1.GetWorkerInfoRequest\x1a\x18.loraserve.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2785
-  _globals['_FINISHREASON']._serialized_end=2932
-  _globals['_ADAPTERTIER']._serialized_start=2934
-  _globals['_ADAPTERTIER']._serialized_end=3047
+  _globals['_FINISHREASON']._serialized_start=2807
+  _globals['_FINISHREASON']._serialized_end=2954
+  _globals['_ADAPTERTIER']._serialized_start=2956
+  _globals['_ADAPTERTIER']._serialized_end=3069
   _globals['_SAMPLINGPARAMS']._serialized_start=77
   _globals['_SAMPLINGPARAMS']._serialized_end=382
   _globals['_CHATMESSAGE']._serialized_start=384
@@ -43,39 +43,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=431
   _globals['_GENERATEREQUEST']._serialized_end=685
   _globals['_USAGE']._serialized_start=688
-  _globals['_USAGE']._serialized_end=823
-  _globals['_TOPLOGPROB']._serialized_start=825
-  _globals['_TOPLOGPROB']._serialized_end=908
-  _globals['_TOKENLOGPROB']._serialized_start=911
-  _globals['_TOKENLOGPROB']._serialized_end=1044
-  _globals['_COMPLETION']._serialized_start=1047
-  _globals['_COMPLETION']._serialized_end=1204
-  _globals['_GENERATERESPONSE']._serialized_start=1207
-  _globals['_GENERATERESPONSE']._serialized_end=1456
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1459
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1684
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1686
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1767
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1769
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1836
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1838
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1880
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1882
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1923
-  _globals['_PINADAPTERREQUEST']._serialized_start=1925
-  _globals['_PINADAPTERREQUEST']._serialized_end=1980
-  _globals['_PINADAPTERRESPONSE']._serialized_start=1982
-  _globals['_PINADAPTERRESPONSE']._serialized_end=2048
-  _globals['_LISTWORKERADAPTERSREQUEST']._serialized_start=2050
-  _globals['_LISTWORKERADAPTERSREQUEST']._serialized_end=2077
-  _globals['_WORKERADAPTER']._serialized_start=2080
-  _globals['_WORKERADAPTER']._serialized_end=2369
-  _globals['_LISTWORKERADAPTERSRESPONSE']._serialized_start=2371
-  _globals['_LISTWORKERADAPTERSRESPONSE']._serialized_end=2446
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=2448
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=2470
-  _globals['_WORKERINFO']._serialized_start=2473
-  _globals['_WORKERINFO']._serialized_end=2782
-  _globals['_INFERENCEWORKER']._serialized_start=3050
-  _globals['_INFERENCEWORKER']._serialized_end=3664
+  _globals['_USAGE']._serialized_end=845
+  _globals['_TOPLOGPROB']._serialized_start=847
+  _globals['_TOPLOGPROB']._serialized_end=930
+  _globals['_TOKENLOGPROB']._serialized_start=933
+  _globals['_TOKENLOGPROB']._serialized_end=1066
+  _globals['_COMPLETION']._serialized_start=1069
+  _globals['_COMPLETION']._serialized_end=1226
+  _globals['_GENERATERESPONSE']._serialized_start=1229
+  _globals['_GENERATERESPONSE']._serialized_end=1478
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1481
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1706
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1708
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1789
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1791
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1858
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1860
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1902
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1904
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1945
+  _globals['_PINADAPTERREQUEST']._serialized_start=1947
+  _globals['_PINADAPTERREQUEST']._serialized_end=2002
+  _globals['_PINADAPTERRESPONSE']._serialized_start=2004
+  _globals['_PINADAPTERRESPONSE']._serialized_end=2070
+  _globals['_LISTWORKERADAPTERSREQUEST']._serialized_start=2072
+  _globals['_LISTWORKERADAPTERSREQUEST']._serialized_end=2099
+  _globals['_WORKERADAPTER']._serialized_start=2102
+  _globals['_WORKERADAPTER']._serialized_end=2391
+  _globals['_LISTWORKERADAPTERSRESPONSE']._serialized_start=2393
+  _globals['_LISTWORKERADAPTERSRESPONSE']._serialized_end=2468
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=2470
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=2492
+  _globals['_WORKERINFO']._serialized_start=2495
+  _globals['_WORKERINFO']._serialized_end=2804
+  _globals['_INFERENCEWORKER']._serialized_start=3072
+  _globals['_INFERENCEWORKER']._serialized_end=3686
 # @@protoc_insertion_point(module_scope)

@@ -264,6 +264,7 @@ class Usage(_message.Message):
     QUEUE_TIME_MS_FIELD_NUMBER: _builtins.int
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
     TOTAL_TIME_MS_FIELD_NUMBER: _builtins.int
+    ADAPTER_TIER_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens of the prompt (counted once however many completions share it)."""
     completion_tokens: _builtins.int
@@ -274,6 +275,11 @@ class Usage(_message.Message):
     """Time from arrival to the first generated token, in milliseconds."""
     total_time_ms: _builtins.float
     """Time from arrival to the end, in milliseconds."""
+    adapter_tier: _builtins.str
+    """Where the worker held the request's adapter when the request arrived: "gpu" (a slot),
+    "cpu" (the CPU cache) or "store" (not held: fetched, or being fetched, from the store);
+    empty for the base model.
+    """
     def __init__(
         self,
         *,
@@ -282,10 +288,11 @@ class Usage(_message.Message):
         queue_time_ms: _builtins.float = ...,
         time_to_first_token_ms: _builtins.float = ...,
         total_time_ms: _builtins.float = ...,
+        adapter_tier: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "queue_time_ms", b"queue_time_ms", "time_to_first_token_ms", b"time_to_first_token_ms", "total_time_ms", b"total_time_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_tier", b"adapter_tier", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "queue_time_ms", b"queue_time_ms", "time_to_first_token_ms", b"time_to_first_token_ms", "total_time_ms", b"total_time_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -75,6 +75,8 @@ def test_parity_with_peft_alone_and_in_one_batch(lora_store, references, start_l
             out = generate(bg.address, prompt, name)
             assert out.token_ids == references[(name, i)], (name, i)
             assert out.adapter_digest == digests.get(name, "")
+            # where the adapter was when the request came: fetched for the first, in a slot after
+            assert out.usage.adapter_tier == ("" if not name else "store" if i == 0 else "gpu")
     # all adapters and base at once, both prompts: one batch of 12 rows
     steps = bg.engine.num_steps
     jobs = [(name, i) for name in NAMES for i in range(len(PROMPTS))]

@@ -1,0 +1,123 @@
+"""Adapters ahead of need: look-ahead stages queued requests' adapters before their turn (bounded,
+never evicting what running or earlier-queued requests need); popularity prefetch fills free CPU
+room with the fleet's most popular adapters, across workers sharing a coordinator."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from loraserve.inference_worker.adapters import AdapterRef
+from loraserve.inference_worker.adapters.staging import AheadOfNeed
+from loraserve.inference_worker.coordination import InProcessCoordinator
+
+
+def eventually(check, timeout: float = 20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if got := check():
+            return got
+        time.sleep(0.01)
+    raise TimeoutError(check)
+
+
+def tier(h, ref: str) -> str:
+    return h.pool.arrival_tier(AdapterRef.parse(ref))
+
+
+def lookups(h, result: str) -> float:
+    return h.pool.metrics.value("loraserve_worker_adapter_lookups_total", {"result": result})
+
+
+def test_queued_adapter_is_staged_before_its_turn(harness, lora_store):
+    h = harness(max_loras=3, max_cpu_loras=6, lookahead=4)
+    h.acquire_eventually(1, "all-r4")
+    h.acquire_eventually(2, "mlp-rs16")  # running: two slots busy, one free
+    queue = [(3, "qv-r8"), (4, ""), (5, "patterned")]  # arrival order; 4 is a base request
+    h.adapters.ahead.look_ahead(queue)
+    # fetched into the CPU tier without any admission attempt for 3 or 5
+    eventually(lambda: tier(h, "qv-r8") == "cpu" and tier(h, "patterned") == "cpu")
+    assert h.adapters.ahead.num_fetched_ahead == 2
+    # the next step copies the first in arrival order into the free slot, nothing is evicted
+    h.adapters.ahead.look_ahead(queue)
+    assert tier(h, "qv-r8") == "gpu" and tier(h, "patterned") == "cpu"
+    assert h.pool.metrics.value("loraserve_worker_adapter_evictions_total", {"tier": "gpu"}) == 0
+    assert {tier(h, "all-r4"), tier(h, "mlp-rs16")} == {"gpu"}
+    # its turn: admitted at once from a slot, no miss, no fetch
+    misses, fetches = (
+        lookups(h, "miss"),
+        lora_store.store.service.metrics.value("loraserve_store_fetches_total"),
+    )
+    assert h.acquire(3, "qv-r8") is not None
+    assert lookups(h, "miss") == misses
+    assert lora_store.store.service.metrics.value("loraserve_store_fetches_total") == fetches
+
+
+def test_an_earlier_queued_request_keeps_its_slot(harness):
+    h = harness(max_loras=2, max_cpu_loras=6, lookahead=4)
+    for ref in ("all-r4", "qv-r8", "patterned"):
+        h.run(h.ensure_cpu(ref))
+    s_qv, _ = h.acquire_eventually(2, "qv-r8")
+    s_all, _ = h.acquire_eventually(1, "all-r4")
+    h.pool.release(1)
+    h.pool.release(2)  # both slots idle; qv-r8's is the least recently used
+    # queue: 10 waits for qv-r8 (position 0), 11 for patterned (position 1)
+    h.adapters.ahead.look_ahead([(10, "qv-r8"), (11, "patterned")])
+    slot, _ = h.acquire(11, "patterned")
+    assert slot == s_all  # not qv-r8's slot, though it is idle and used longer ago
+    assert tier(h, "qv-r8") == "gpu"
+    # a request behind both may take neither: patterned's slot runs, qv-r8's is queued for
+    h.adapters.ahead.look_ahead([(10, "qv-r8"), (12, "mlp-rs16")])
+    h.run(h.ensure_cpu("mlp-rs16"))
+    assert h.acquire(12, "mlp-rs16") is None
+    assert tier(h, "qv-r8") == "gpu"
+    assert h.acquire(10, "qv-r8")[0] == s_qv
+
+
+def test_cpu_tier_keeps_what_queued_requests_need(harness):
+    h = harness(max_loras=1, max_cpu_loras=3, lookahead=1)
+    for ref in ("qv-r8", "all-r4", "patterned"):  # qv-r8 is the least recently used
+        h.run(h.ensure_cpu(ref))
+    h.adapters.ahead.look_ahead([(1, "qv-r8")])
+    h.run(h.ensure_cpu("mlp-rs16"))
+    held = {key.split("@")[0] for key in h.pool.tiers.cpu.keys()}
+    assert held == {"qv-r8", "patterned", "mlp-rs16"}  # the least recently used unqueued one left
+
+
+def test_look_ahead_is_bounded(harness):
+    h = harness(max_loras=2, max_cpu_loras=8, lookahead=2)
+    queue = [(1, "qv-r8"), (2, "all-r4"), (3, "patterned"), (4, "mlp-rs16")]
+    h.adapters.ahead.look_ahead(queue)
+    assert h.adapters.ahead.num_fetched_ahead == 2  # the window: the first two queued only
+    assert h.pool.wanted == {"qv-r8": 0, "all-r4": 1}
+    eventually(lambda: not h.pool.fetcher.flights)
+    ahead = AheadOfNeed(h.pool, window=4, max_fetches=1)
+    ahead.look_ahead(queue)
+    assert ahead.num_fetched_ahead == 1 and len(h.pool.fetcher.flights) <= 1  # fetches in flight
+    with pytest.raises(ValueError, match="look-ahead window"):
+        AheadOfNeed(h.pool, window=8)
+
+
+def test_prefetch_fills_free_cpu_room_only(harness):
+    h = harness(max_loras=1, max_cpu_loras=3, prefetch=8)
+    h.run(h.ensure_cpu("all-r4"))
+    fleet = {"qv-r8": 9.0, "all-r4": 7.0, "patterned": 5.0, "mlp-rs16": 1.0}
+    started = h.adapters.ahead.prefetch(fleet)
+    assert started == ["qv-r8", "patterned"]  # the most popular it lacks, as many as there is room
+    eventually(lambda: tier(h, "qv-r8") == "cpu" and tier(h, "patterned") == "cpu")
+    assert h.adapters.ahead.prefetch(fleet) == []  # full: a prefetch never evicts
+    assert h.pool.metrics.value("loraserve_worker_adapter_evictions_total", {"tier": "cpu"}) == 0
+
+
+def test_fleet_popularity_reaches_another_worker(harness):
+    shared = InProcessCoordinator()
+    busy = harness(coordinator=shared, worker_id="busy", prefetch=4)
+    idle = harness(coordinator=shared, worker_id="idle", max_cpu_loras=4, prefetch=4)
+    for _ in range(5):
+        busy.pool.popularity.record("patterned")
+    busy.pool.popularity.record("qv-r8")
+    busy.sync.share_popularity()  # publishes its counts (and prefetches what it lacks itself)
+    idle.sync.share_popularity()
+    eventually(lambda: tier(idle, "patterned") == "cpu" and tier(idle, "qv-r8") == "cpu")
+    assert shared.fleet_popularity() == pytest.approx({"patterned": 5.0, "qv-r8": 1.0}, rel=1e-3)
