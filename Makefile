@@ -52,7 +52,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	@rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/loraserve && \
 	for f in loraserve/*; do ln -s $(CURDIR)/$$f $(TYPECHECK)/loraserve/; done && \
-	for p in adapter_store inference_worker kernels clients; do ln -s $(CURDIR)/$$p $(TYPECHECK)/loraserve/$$p; done
+	for p in adapter_store inference_worker kernels clients gateway; do ln -s $(CURDIR)/$$p $(TYPECHECK)/loraserve/$$p; done
 	cd $(TYPECHECK) && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p loraserve
 
 # Regenerates the gRPC stubs and their mypy stubs into loraserve/v1 (committed).

@@ -10,6 +10,7 @@ ROOTS = {
     "loraserve.inference_worker": "inference_worker",
     "loraserve.kernels": "kernels",
     "loraserve.clients": "clients",
+    "loraserve.gateway": "gateway",
 }
 
 packages = []

@@ -10,6 +10,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "store": ("loraserve.adapter_store.server", "main", "run the adapter store service"),
     "worker": ("loraserve.inference_worker.server", "main", "run an inference worker"),
+    "openai": ("loraserve.gateway.server", "main", "serve the OpenAI-compatible HTTP API"),
     "up": ("loraserve.up", "main", "run a store and a worker on the embedded default"),
     "register": ("loraserve.clients.store_cli", "register_main", "register an adapter with a store"),
     "adapters": ("loraserve.clients.store_cli", "adapters_main", "list, show or delete a store's adapters"),

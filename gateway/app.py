@@ -1,0 +1,113 @@
+"""The FastAPI application: the routes of the OpenAI-compatible API (/v1/models, /v1/completions,
+/v1/chat/completions), the API key check, /health and Prometheus /metrics. Requests are handled by
+`RequestHandler.handle`; this module only wires them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+from fastapi import Depends, FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraserve import __version__
+from loraserve.gateway.backend import Backend
+from loraserve.gateway.config import GatewayConfig
+from loraserve.gateway.errors import APIError, install_error_handlers, unknown_model
+from loraserve.gateway.handler import RequestHandler
+from loraserve.gateway.limits import BodyLimit
+from loraserve.gateway.metrics import GatewayMetrics
+from loraserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList
+from loraserve.serving.bearer import check_bearer
+
+_AUTH_STATUS = {
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+}
+
+
+def _adapter_model(info, base: str) -> Model:
+    return Model(
+        id=info.adapter_id,
+        created=int(info.created_at.seconds) if info.HasField("created_at") else 0,
+        root=info.adapter_id,
+        parent=base,
+    )
+
+
+def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI:
+    backend = backend or Backend(config)
+    metrics = GatewayMetrics()
+    handler = RequestHandler(config, backend, metrics)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app = FastAPI(title="loraserve OpenAI-compatible API", version=__version__, lifespan=lifespan)
+    app.state.backend, app.state.metrics, app.state.handler = backend, metrics, handler
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    def api_key(request: Request) -> None:
+        """Bearer API key of /v1/*: 401 without one, 403 for a wrong one; open without --api-key."""
+        if not config.api_key:
+            return
+        header = request.headers.get("authorization")
+        problem = check_bearer([("authorization", header)] if header else [], config.api_key)
+        if problem is not None:
+            status, kind = _AUTH_STATUS[problem[0]]
+            message = (
+                "missing API key: send 'Authorization: Bearer <key>'" if status == 401 else "invalid API key"
+            )
+            raise APIError(status, message, kind)
+
+    v1 = [Depends(api_key)]
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def list_models() -> ModelList:
+        base = await backend.base_model()
+        adapters = await backend.adapters()
+        return ModelList(
+            data=[Model(id=base, created=started, root=base), *(_adapter_model(a, base) for a in adapters)]
+        )
+
+    @app.get("/v1/models/{model:path}", dependencies=v1)
+    async def get_model(model: str) -> Model:
+        base = await backend.base_model()
+        if model == base:
+            return Model(id=base, created=started, root=base)
+        if backend.store is not None:
+            try:
+                return _adapter_model(await backend.store.get(model.split("@", 1)[0]), base)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                    raise
+        raise unknown_model(model)
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await handler.handle(request, "completions", body)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await handler.handle(request, "chat.completions", body)
+
+    return app

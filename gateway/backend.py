@@ -1,0 +1,161 @@
+"""Where the gateway's generations go: one worker, or the fleet through the adapter-aware router.
+
+With --redis-url the live workers are read from their heartbeats every `route_refresh_s` (the
+--worker address stands in while none heartbeats) and each request tries them in the order
+`WorkerRouter.candidates` gives: holders of the adapter first, least loaded first. A worker that
+answers UNAVAILABLE before streaming anything is marked down and the next one is tried. Calls go
+through grpc.aio clients, one per worker address, opened on the serving loop when first used."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from loraserve.clients.router import WorkerRouter, WorkerView, discover_workers
+from loraserve.clients.store_client import AsyncStoreClient
+from loraserve.clients.worker_client import AsyncWorkerClient, Delta, Generation
+from loraserve.gateway.config import GatewayConfig
+from loraserve.v1 import adapter_pb2
+
+log = logging.getLogger("loraserve.gateway")
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class Backend:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self._clients: dict[str, AsyncWorkerClient] = {}
+        self._router: WorkerRouter | None = None
+        self._fleet: tuple[str, ...] = ()
+        self._discovered_at = float("-inf")
+        self._base_model = config.model_name
+        self._store: AsyncStoreClient | None = None
+
+    @property
+    def store(self) -> AsyncStoreClient | None:
+        """The store's client (none without --store), opened on first use: grpc.aio channels belong
+        to the event loop they are opened on, the server's."""
+        if self._store is None and self.config.store:
+            self._store = AsyncStoreClient(self.config.store, token=self.config.store_token, timeout=10)
+        return self._store
+
+    # ------------------------------------------------------------------------------ workers
+    def client(self, address: str) -> AsyncWorkerClient:
+        c = self._clients.get(address)
+        if c is None:
+            c = self._clients[address] = AsyncWorkerClient(
+                address, token=self.config.worker_token, timeout=self.config.request_timeout_s
+            )
+        return c
+
+    async def _discover(self) -> None:
+        """Rebuild the router when the set of live workers changed."""
+        now = time.monotonic()
+        if now - self._discovered_at < self.config.route_refresh_s:
+            return
+        self._discovered_at = now
+        assert self.config.redis_url
+        try:
+            live = await asyncio.to_thread(discover_workers, self.config.redis_url, self.config.redis_prefix)
+        except Exception as exc:  # Redis down: keep routing over what we knew
+            log.warning("cannot read the live workers from Redis: %s", exc)
+            live = list(self._fleet)
+        fleet = tuple(sorted(set(live))) or ((self.config.worker,) if self.config.worker else ())
+        if fleet and fleet != self._fleet:
+            old, self._router = (
+                self._router,
+                WorkerRouter(fleet, refresh_s=self.config.route_refresh_s, token=self.config.worker_token),
+            )
+            self._fleet = fleet
+            if old is not None:
+                old.close()
+
+    async def candidates(self, adapter_id: str) -> list[tuple[AsyncWorkerClient, WorkerView | None]]:
+        """Workers to try for this adapter, best first."""
+        if not self.config.redis_url:
+            return [(self.client(self.config.worker), None)]
+        await self._discover()
+        if self._router is None:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details="no inference worker is live (none heartbeats in Redis, and no --worker given)",
+            )
+        views = await asyncio.to_thread(self._router.candidates, adapter_id)
+        return [(self.client(v.address), v) for v in views]
+
+    def _mark_down(self, view: WorkerView | None) -> None:
+        if view is not None and self._router is not None:
+            self._router.mark_down(view)
+
+    def _note_use(self, view: WorkerView | None, adapter_id: str) -> None:
+        if view is not None and self._router is not None:
+            self._router.note_use(view, adapter_id)
+
+    async def generate(self, adapter_id: str, **kw: Any) -> Generation:
+        last: grpc.RpcError | None = None
+        for client, view in await self.candidates(adapter_id):
+            try:
+                out = await client.generate(adapter_id=adapter_id, **kw)
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE:  # type: ignore[attr-defined]
+                    raise
+                self._mark_down(view)
+                last = exc
+                continue
+            self._note_use(view, adapter_id)
+            return out
+        assert last is not None
+        raise last
+
+    async def stream(self, adapter_id: str, **kw: Any) -> AsyncGenerator[Delta, None]:
+        """The deltas of one generation; closing this iterator cancels the worker's call."""
+        last: grpc.RpcError | None = None
+        for client, view in await self.candidates(adapter_id):
+            started = False
+            try:
+                # an async generator, typed as an iterator by the client
+                stream = client.generate_stream(adapter_id=adapter_id, **kw)
+                async with aclosing(stream) as deltas:  # type: ignore[type-var]
+                    async for delta in deltas:
+                        started = True
+                        yield delta
+            except grpc.RpcError as exc:
+                if started or exc.code() not in _RETRYABLE:  # type: ignore[attr-defined]
+                    raise
+                self._mark_down(view)
+                last = exc
+                continue
+            self._note_use(view, adapter_id)
+            return
+        assert last is not None
+        raise last
+
+    # ------------------------------------------------------------------------------- models
+    async def base_model(self) -> str:
+        """The base model's name: --model-name, else what the (first) worker reports."""
+        if not self._base_model:
+            client, _ = (await self.candidates(""))[0]
+            self._base_model = (await client.info()).model
+        return self._base_model
+
+    async def adapters(self) -> list[adapter_pb2.AdapterInfo]:
+        """Every adapter registered in the store (none without --store)."""
+        if self.store is None:
+            return []
+        return [a async for a in self.store.list()]
+
+    async def close(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+        if self._store is not None:
+            await self._store.close()
+        if self._router is not None:
+            self._router.close()

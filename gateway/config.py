@@ -1,0 +1,97 @@
+"""The gateway's one configuration object, filled from `loraserve openai --flags` and LORASERVE_*
+variables (a flag beats the variable, the variable beats the default); invariants are checked at
+construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraserve.serving.settings import config_from_args
+
+_HELP = {
+    "host": "address to listen on",
+    "port": "HTTP port to listen on; 0 picks a free one and prints the bound URL",
+    "worker": "inference worker address host:port: the one worker, or where the fleet starts before "
+    "any worker heartbeats in Redis",
+    "redis_url": "Redis URL: route by adapter residency across the workers that heartbeat there",
+    "redis_prefix": "prefix of every Redis key",
+    "store": "adapter store address host:port: /v1/models lists its adapters",
+    "store_token": "bearer token sent to the store (ListAdapters)",
+    "worker_token": "bearer token sent to the workers (Generate/GenerateStream)",
+    "api_key": "bearer key clients must send (Authorization: Bearer KEY); no check when unset",
+    "model_name": "the base model's name in /v1/models and `model` (default: the worker's model name)",
+    "max_body_bytes": "largest request body in bytes",
+    "max_prompt_chars": "largest prompt or messages text in characters",
+    "max_n": "largest n, completions per request",
+    "max_stop": "most stop strings per request",
+    "request_timeout_s": "deadline of one generation in seconds",
+    "route_refresh_s": "seconds between reads of the fleet's residency and live workers",
+    "log_level": "logging level",
+}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker: str = ""
+    redis_url: str | None = None
+    redis_prefix: str = "loraserve:"
+    store: str = ""
+    store_token: str | None = field(default=None, repr=False)
+    worker_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+    model_name: str = ""
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 200_000
+    max_n: int = 16
+    max_stop: int = 8
+    request_timeout_s: float = 600.0
+    route_refresh_s: float = 2.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.worker and not self.redis_url:
+            problems.append("give --worker (one worker) or --redis-url (the fleet)")
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port {self.port} is out of range")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_n", "max_stop"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be positive")
+        for name in ("request_timeout_s", "route_refresh_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0")
+        if problems:
+            raise ValueError("invalid gateway configuration: " + "; ".join(problems))
+
+    def replace(self, **changes: Any) -> GatewayConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> GatewayConfig:
+        return config_from_args(
+            cls,
+            argv,
+            env,
+            prog="loraserve openai",
+            description="Serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
+            "/v1/chat/completions) in front of one inference worker or the fleet. Every flag is also "
+            "a LORASERVE_<FLAG> variable (--api-key is LORASERVE_API_KEY); a flag wins.",
+            help=_help_with_defaults(),
+        )
+
+
+def _help_with_defaults() -> dict[str, str]:
+    """Each flag's help with the field's default appended (argparse sees None: unset flags fall back
+    to the variable, then to this default)."""
+    out = dict(_HELP)
+    for f in dataclasses.fields(GatewayConfig):
+        if f.default not in (None, "", dataclasses.MISSING) and f.name in out and "token" not in f.name:
+            out[f.name] += f" (default: {f.default})"
+    return out
