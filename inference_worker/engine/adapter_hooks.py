@@ -12,6 +12,8 @@ Engine side (all on the engine's step thread, except `validate`, which runs on t
   scanning past it). On True it has set `seq.lora_slot` (-1 = base) and `seq.adapter_digest`, and
   the sequence holds that slot until `on_finished`. To fail a sequence for good it sets
   `seq.error` and answers False.
+- `look_ahead(waiting)` once per step, after admission, with the waiting queue in arrival order:
+  may start bringing queued requests' adapters in (never blocks).
 - `on_finished(seq)` whenever a sequence leaves the running set (finished, cancelled, or
   preempted back to the queue: `seq.finished` tells which).
 - `lora_batch(token_slots) -> LoRABatch` per step with adapter rows: the batch metadata every
@@ -30,6 +32,8 @@ from typing import TYPE_CHECKING, Protocol
 from loraserve.inference_worker.errors import NoAdapterStore
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
     from loraserve.inference_worker.engine.sequence import Sequence
@@ -57,6 +61,8 @@ class AdmissionPolicy(Protocol):
 
     def can_admit(self, seq: Sequence) -> bool: ...
 
+    def look_ahead(self, waiting: Iterable[Sequence]) -> None: ...
+
     def on_finished(self, seq: Sequence) -> None: ...
 
 
@@ -83,6 +89,9 @@ class BaseOnlyPolicy:
 
     def can_admit(self, seq: Sequence) -> bool:
         return True
+
+    def look_ahead(self, waiting: Iterable[Sequence]) -> None:
+        pass
 
     def on_finished(self, seq: Sequence) -> None:
         pass

@@ -5,7 +5,8 @@ order: a decoding sequence takes 1 token, a prefilling one a chunk of what is le
 so a long prompt is spread over several steps while the others keep decoding. Then waiting
 sequences are admitted while the running set is below `max_num_seqs`, budget remains and their
 first chunk's KV blocks fit. The admission policy may decline a sequence (its adapter is not
-resident yet); the scan goes on past it, so one cold adapter blocks nobody. When a running sequence
+resident yet); the scan goes on past it, so one cold adapter blocks nobody. After admission the
+policy sees the rest of the queue (`look_ahead`) to bring adapters in before their turn. When a running sequence
 needs a block and none is free, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the head of the queue to be recomputed later. The n
 completions of one request are admitted together (the siblings fork from the first sequence's
@@ -93,6 +94,12 @@ class Scheduler:
         return True
 
     def schedule(self) -> ScheduledBatch:
+        out = self._admit()
+        # what still waits, in arrival order: its adapters may be brought in before its turn
+        self.policy.look_ahead(self.waiting)
+        return out
+
+    def _admit(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()

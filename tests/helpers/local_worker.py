@@ -5,6 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 
+class DelayedSource:
+    """The store as an adapter source whose every fetch takes `delay_s` longer (a slow store)."""
+
+    def __init__(self, source, delay_s: float) -> None:
+        self.source, self.delay_s = source, delay_s
+
+    async def fetch(self, adapter_id: str, digest: str = ""):
+        import asyncio
+
+        await asyncio.sleep(self.delay_s)
+        return await self.source.fetch(adapter_id, digest)
+
+    async def close(self) -> None:
+        await self.source.close()
+
+
 class LocalWorker:
     """The engine with LoRA, in-process: the step thread plus an asyncio loop thread for fetches
     (what the worker's server wires up, minus gRPC)."""
@@ -19,11 +35,13 @@ class LocalWorker:
         max_num_seqs: int = 16,
         poll_interval_s: float = 0.2,
         start_engine: bool = True,
+        lookahead: int = 16,
+        fetch_delay_s: float = 0.0,
     ) -> None:
         import asyncio
         import threading
 
-        from loraserve.inference_worker.builder import build_worker
+        from loraserve.inference_worker.builder import build_worker, store_source
         from loraserve.inference_worker.config import WorkerConfig
 
         config = WorkerConfig(
@@ -40,8 +58,10 @@ class LocalWorker:
             max_cpu_loras=max_cpu_loras,
             max_lora_rank=64,
             adapter_poll_interval_s=poll_interval_s,
+            adapter_lookahead=lookahead,
         )
-        worker = build_worker(config)  # what the worker's server builds, minus gRPC
+        source = DelayedSource(store_source(config), fetch_delay_s) if fetch_delay_s else None
+        worker = build_worker(config, source=source)  # what the worker's server builds, minus gRPC
         assert worker.adapters is not None
         self.engine, self.adapters = worker.engine, worker.adapters
         self.loop = asyncio.new_event_loop()

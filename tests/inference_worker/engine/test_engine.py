@@ -248,6 +248,9 @@ def test_decode_graphs_are_captured_once_when_the_engine_starts(tiny_model_dir) 
         def can_admit(self, seq) -> bool:
             return not seq.adapter_id
 
+        def look_ahead(self, waiting) -> None:
+            pass
+
         def on_finished(self, seq) -> None:
             pass
 

@@ -1,0 +1,84 @@
+"""Adapters of waiting requests, through the engine: look-ahead brings a queued request's adapter
+into a slot before the request is admitted; and under a skewed workload the batch stays full
+while the queue's head waits for a slow adapter fetch (no head-of-line blocking)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers.local_worker import LocalWorker
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+
+
+def wait_until(check, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def lookups(w: LocalWorker, result: str) -> float:
+    return w.adapters.pool.metrics.value("loraserve_worker_adapter_lookups_total", {"result": result})
+
+
+@pytest.mark.parametrize("lookahead", [3, 0])
+def test_queued_adapter_is_in_a_slot_before_admission(tiny_model_dir, lora_store, lookahead):
+    w = LocalWorker(
+        tiny_model_dir, lora_store.address, max_loras=2, max_cpu_loras=6, max_num_seqs=2, lookahead=lookahead
+    )
+    try:
+        # the running set is full of long base requests: the adapter request must queue
+        longs = [w.submit(PROMPT, "", max_tokens=40) for _ in range(2)]
+        wait_until(lambda: w.engine.num_running == 2)
+        queued = w.submit(PROMPT, "qv-r8", max_tokens=4)
+        if lookahead:
+            wait_until(lambda: w.adapters.list_adapters() and w.adapters.list_adapters()[0].tier == "gpu")
+            assert not queued.done() and not any(f.done() for f in longs)  # staged while still queued
+        _, err, out = queued.result(60)
+        assert err is None and out.usage.adapter_tier == "store"  # arrived before its adapter
+        # with look-ahead its admission found the adapter in a slot; without, it missed, then
+        # waited for the fetch and the copy from the CPU tier
+        got = (lookups(w, "miss"), lookups(w, "gpu"), lookups(w, "cpu"))
+        assert got == ((0, 1, 0) if lookahead else (1, 0, 1))
+    finally:
+        w.close()
+
+
+def test_batch_stays_full_while_the_head_waits_for_its_adapter(tiny_model_dir, lora_store):
+    max_num_seqs = 4
+    w = LocalWorker(
+        tiny_model_dir, lora_store.address, max_loras=2, max_cpu_loras=6, max_num_seqs=max_num_seqs,
+        fetch_delay_s=1.5,
+    )  # fmt: skip
+    try:
+        for hot in ("qv-r8", "all-r4"):
+            w.call(w.adapters.load_adapter(hot, "gpu"))
+        scheduler = w.engine.scheduler
+        steps: list[tuple[int, int]] = []  # per step: (running, waiting requests other than the head)
+        schedule = scheduler.schedule
+
+        def recording_schedule():
+            batch = schedule()
+            steps.append(
+                (len(scheduler.running), sum(1 for s in scheduler.waiting if s.adapter_id != "mlp-rs16"))
+            )
+            return batch
+
+        scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+        head = w.submit(PROMPT, "mlp-rs16", max_tokens=4)  # cold: its fetch takes 1.5 s
+        # skewed (Zipf-like) traffic behind it: mostly the hottest adapter, some of the next, some base
+        skewed = ["qv-r8"] * 8 + ["all-r4"] * 4 + [""] * 4
+        rest = [w.submit(PROMPT, a, max_tokens=8) for a in skewed]
+        for fut in rest:
+            _, err, _ = fut.result(30)
+            assert err is None
+        assert not head.done()  # everything behind the head finished while it waited
+        full = [running == max_num_seqs for running, others in steps if others]
+        assert full and all(full), steps  # whenever others waited, the batch was full
+        _, err, out = head.result(30)
+        assert err is None and out.usage.adapter_tier == "store"
+    finally:
+        w.close()
