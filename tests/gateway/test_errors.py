@@ -1,0 +1,148 @@
+"""Every failure reaches the `openai` client as OpenAI's error shape with the HTTP status mapped
+from the worker's gRPC status (or the gateway's own checks): unknown model 404, invalid 400,
+overloaded 429, draining 503, missing key 401, wrong key 403, body over the limit 413."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import ADAPTERS, API_KEY, openai_client, start_worker
+
+
+def _assert_error(exc: openai.APIStatusError, status: int, kind: str, words: str) -> None:
+    assert exc.status_code == status, exc
+    assert isinstance(exc.body, dict) and exc.body["type"] == kind, exc.body
+    assert words in exc.body["message"], exc.body["message"]
+
+
+def test_unknown_model_is_404(client) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2)
+    _assert_error(e.value, 404, "not_found_error", "no-such-adapter")
+    with pytest.raises(openai.NotFoundError):  # streaming: refused before the stream starts
+        client.chat.completions.create(
+            model="no-such-adapter", messages=[{"role": "user", "content": "Hi"}], stream=True
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-adapter")
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        (dict(temperature=5.0), "temperature"),
+        (dict(n=100), "n: 100 is over this server's limit of 16"),
+        (dict(stop=[f"s{i}" for i in range(9)]), "9 stop strings"),
+        (dict(extra_body={"logit_bias": {"5": 1.0}}), "logit_bias"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(max_tokens=100_000), "max_model_len"),  # the worker's own check, INVALID_ARGUMENT
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt=["a", "b"]), "one prompt per request"),
+    ],
+)
+def test_invalid_requests_are_400(client, kw, words) -> None:
+    body = dict(model=ADAPTERS[0], prompt="Hello", max_tokens=4) | kw
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**body)
+    _assert_error(e.value, 400, "invalid_request_error", words)
+
+
+def test_invalid_chat_requests_are_400(client) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=ADAPTERS[0], messages=[])
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "wizard", "content": "Hi"}])
+    assert "wizard" in e.value.body["message"]  # the worker's chat template check
+
+
+def test_api_key_refused_and_accepted(gateway) -> None:
+    r = httpx.post(gateway.url + "/v1/completions", json={"model": ADAPTERS[0], "prompt": "Hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with (
+        openai_client(gateway.url, api_key="sk-wrong") as bad,
+        pytest.raises(openai.PermissionDeniedError) as e,
+    ):
+        bad.models.list()
+    _assert_error(e.value, 403, "permission_error", "invalid API key")
+    with openai_client(gateway.url, api_key=API_KEY) as good:
+        assert good.models.list().data
+    # health and metrics stay open to probes and scrapers
+    assert httpx.get(gateway.url + "/health").json() == {"status": "ok"}
+    assert "loraserve_gateway_requests" in httpx.get(gateway.url + "/metrics").text
+
+
+def test_request_size_limits(start_gateway, gateway_worker) -> None:
+    gw = start_gateway(worker=gateway_worker.address, max_body_bytes=4096, max_prompt_chars=100)
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x" * 5000})
+    assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
+    with openai_client(gw.url) as c, pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=ADAPTERS[0], prompt="x" * 101, max_tokens=2)
+    assert "101 characters, over this server's limit of 100" in e.value.body["message"]
+    r = httpx.post(
+        gw.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture
+def small_worker(tiny_model_dir, gateway_store):
+    """One running sequence, one waiting, then RESOURCE_EXHAUSTED; Generate needs a token."""
+    bg = start_worker(
+        tiny_model_dir,
+        gateway_store,
+        max_num_seqs=1,
+        max_queue_size=1,
+        max_num_batched_tokens=64,
+        generate_token="worker-secret",
+    )
+    yield bg
+    bg.stop()
+
+
+def _wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_overloaded_is_429_and_draining_is_503(small_worker, start_gateway) -> None:
+    gw = start_gateway(worker=small_worker.address, worker_token="worker-secret")
+    engine = small_worker.engine
+    long = dict(
+        model=ADAPTERS[0], prompt="Hello", max_tokens=2000, temperature=0, extra_body={"ignore_eos": True}
+    )
+    with openai_client(gw.url) as c:
+        running = c.completions.create(stream=True, **long)  # headers come with the first token
+        waiting: list = []
+        t = threading.Thread(target=lambda: waiting.append(c.completions.create(**{**long, "max_tokens": 2})))
+        t.start()
+        _wait_for(lambda: engine.num_waiting == 1)
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=ADAPTERS[0], prompt="Hi", max_tokens=2)
+        _assert_error(e.value, 429, "rate_limit_error", "")
+        running.close()  # the client goes away: its sequence is freed, the waiting one runs
+        t.join(60)
+        assert waiting and waiting[0].usage.completion_tokens == 2
+        small_worker.server.servicer.draining = True  # what SIGTERM's drain sets first
+        try:
+            with pytest.raises(openai.InternalServerError) as e:
+                c.completions.create(model=ADAPTERS[0], prompt="Hi", max_tokens=2)
+            _assert_error(e.value, 503, "service_unavailable_error", "draining")
+        finally:
+            small_worker.server.servicer.draining = False
+
+
+def test_worker_token_is_forwarded(small_worker, start_gateway) -> None:
+    wrong = start_gateway(worker=small_worker.address, worker_token="not-it")
+    with openai_client(wrong.url) as c, pytest.raises(openai.PermissionDeniedError):
+        c.completions.create(model=ADAPTERS[0], prompt="Hi", max_tokens=2)
+    missing = start_gateway(worker=small_worker.address)
+    with openai_client(missing.url) as c, pytest.raises(openai.AuthenticationError):
+        c.completions.create(model=ADAPTERS[0], prompt="Hi", max_tokens=2)
