@@ -25,6 +25,8 @@ _HELP = {
     "max_num_seqs": "largest running batch",
     "max_model_len": "largest prompt plus completion (0 = the model's max_position_embeddings, at most 8192)",
     "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",
+    "max_prompt_chars": "largest prompt (or conversation) in characters, refused before tokenizing "
+    "(0 = 8 per token of max_model_len)",
     "block_size": "tokens per KV cache block",
     "kv_cache_mb": "KV cache budget in MiB (0 = auto: 256 MiB on CPU, 85%% of free memory on CUDA)",
     "num_kv_blocks": "exact number of KV blocks (overrides kv_cache_mb)",
@@ -67,6 +69,7 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_model_len: int = 0
     max_num_batched_tokens: int = 512
+    max_prompt_chars: int = 0
     block_size: int = 16
     kv_cache_mb: int = 0
     num_kv_blocks: int = 0
@@ -121,6 +124,7 @@ class WorkerConfig:
                 problems.append(f"{name} must be positive")
         for name in (
             "max_model_len",
+            "max_prompt_chars",
             "kv_cache_mb",
             "num_kv_blocks",
             "adapter_lookahead",

@@ -52,7 +52,9 @@ class WorkerServer:
                 ),
                 ErrorStatusInterceptor(log),
             ],
-            options=[("grpc.so_reuseport", 0)],
+            # 4 MiB bounds what a client can make the worker parse (a prompt is further bounded in
+            # characters before it is tokenized)
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 20)],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(

@@ -120,9 +120,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 [ChatMessage(m.role, m.content) for m in request.messages],
                 request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
             )
-            # rendering a chat template is CPU work: off the event loop
-            make = self.engine.make_sequence
-            seq = await asyncio.to_thread(make, *args) if request.messages else make(*args)
+            # validating, tokenizing, rendering a chat template: CPU work, off the event loop
+            seq = await asyncio.to_thread(self.engine.make_sequence, *args)
             self.engine.submit(seq)
         except WorkerError as exc:
             self.metrics.requests.labels(method, exc.code).inc()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loraserve.inference_worker.engine.request_checks import CHARS_PER_TOKEN
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,3 +17,10 @@ class EngineConfig:
     max_queue_size: int = 256  # waiting requests before RESOURCE_EXHAUSTED
     default_max_tokens: int = 16
     use_cuda_graphs: bool = True
+    max_prompt_chars: int = (
+        0  # characters of a prompt (or a conversation); 0 = CHARS_PER_TOKEN x max_model_len
+    )
+
+    @property
+    def prompt_char_limit(self) -> int:
+        return self.max_prompt_chars or CHARS_PER_TOKEN * self.max_model_len

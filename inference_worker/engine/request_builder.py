@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy
 from loraserve.inference_worker.engine.block_manager import BlockManager
 from loraserve.inference_worker.engine.config import EngineConfig
+from loraserve.inference_worker.engine.request_checks import check_prompt_size, check_request_id, check_stops
 from loraserve.inference_worker.engine.sampler import MAX_TOP_LOGPROBS
 from loraserve.inference_worker.engine.sequence import (
     RequestOutput,
@@ -129,10 +130,20 @@ class RequestBuilder:
         messages: list[ChatMessage] | None = None,
         add_generation_prompt: bool = True,
     ) -> Sequence:
-        """-> the request's first sequence; with params.n > 1 the siblings hang on it (`forks`)."""
+        """-> the request's first sequence; with params.n > 1 the siblings hang on it (`forks`).
+        Sizes are checked first, before anything is tokenized, scanned or rendered."""
+        cfg, p = self.config, params
+        check_request_id(request_id)
+        check_prompt_size(
+            prompt,
+            prompt_token_ids,
+            messages or (),
+            max_model_len=cfg.max_model_len,
+            max_chars=cfg.prompt_char_limit,
+        )
+        check_stops(p.stop, p.stop_token_ids)
+        check_sampling_params(p, cfg.max_num_seqs)
         ids, eos = self._prompt_ids(prompt, prompt_token_ids, messages, add_generation_prompt)
-        p = params
-        check_sampling_params(p, self.config.max_num_seqs)
         max_tokens = self._max_tokens(len(ids), p.max_tokens)
         if max_tokens != p.max_tokens:
             p = replace(p, max_tokens=max_tokens)

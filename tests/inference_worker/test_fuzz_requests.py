@@ -75,7 +75,7 @@ def _request(rng: random.Random):
     if rng.random() < 0.5:
         sampling.seed = rng.choice([0, 1, 2**64 - 1])
     req = worker_pb2.GenerateRequest(
-        sampling=sampling, request_id=rng.choice(["", "", "x" * 300]), adapter_id=_pick(rng, "adapter")
+        sampling=sampling, request_id=rng.choice(["", "", "x" * 256]), adapter_id=_pick(rng, "adapter")
     )
     kind = rng.random()
     if kind < 0.4:
