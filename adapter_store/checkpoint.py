@@ -23,6 +23,10 @@ PICKLE_FILE = "adapter_model.bin"
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20
+# The header is bounded by the tensor count before it is parsed (parsing holds the interpreter
+# lock): a real entry takes ~150 bytes (name, dtype, shape, offsets), plus __metadata__.
+HEADER_BYTES_PER_TENSOR = 512
+HEADER_METADATA_BYTES = 64 << 10
 # Deepest nesting of arrays/objects accepted in adapter_config.json or a safetensors header; real
 # ones nest 3 levels. Deeper input is refused, never a RecursionError.
 MAX_JSON_DEPTH = 32
@@ -86,13 +90,23 @@ def parse_config(data: bytes) -> dict:
     return config
 
 
+def header_limit(max_tensors: int) -> int:
+    return min(MAX_HEADER_BYTES, max_tensors * HEADER_BYTES_PER_TENSOR + HEADER_METADATA_BYTES)
+
+
 def parse_header(data: bytes | memoryview, *, max_tensors: int) -> tuple[list[TensorHeader], int]:
     """Checked tensor headers (sorted by offset) and the byte offset where the data section starts."""
     size = len(data)
     if size < 8:
         raise InvalidArgument(f"{WEIGHTS_FILE} is truncated: {size} bytes, no header")
     header_len = int.from_bytes(bytes(data[:8]), "little")
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+    limit = header_limit(max_tensors)
+    if header_len > limit and 8 + header_len <= size:
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE} header is {header_len} bytes, over the limit of {limit} bytes "
+            f"({HEADER_BYTES_PER_TENSOR} per tensor of max_tensors {max_tensors}, plus metadata)"
+        )
+    if header_len > limit or 8 + header_len > size:
         raise InvalidArgument(
             f"{WEIGHTS_FILE} header claims {header_len} bytes but the file holds {size} bytes "
             "(truncated or corrupt)"

@@ -32,8 +32,9 @@ log = logging.getLogger("loraserve.store")
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name
 # the RPCs that change the registry; they need the admin token when one is configured
 ADMIN_METHODS = (f"/{SERVICE_NAME}/RegisterAdapter", f"/{SERVICE_NAME}/DeleteAdapter")
-# Room for a 1 MiB chunk plus framing, and for large manifests.
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+# Replies: room for a 1 MiB chunk plus framing, and for large manifests. Requests are ids and
+# sources: 4 MiB bounds what a client can make the store parse.
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 4 << 20)]
 
 
 def open_registry(config: StoreConfig) -> Registry:
