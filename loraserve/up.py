@@ -2,8 +2,9 @@
 
 Writes (once) a tiny random Llama and the demo PEFT adapters into --data-dir, starts the adapter
 store in-process (SQLite registry, local adapter root) and registers the demo adapters, starts an
-inference worker fetching from that store (in-process coordination), prints a sample generation
-for the base model and each adapter, then serves until interrupted (--once: exit after that).
+inference worker fetching from that store (in-process coordination) and the OpenAI-compatible HTTP
+API in front of them, prints a sample generation for the base model and each adapter, then serves
+until interrupted (--once: exit after that).
 Each service is started by its own `start_*` function returning what it runs and its address.
 """
 
@@ -96,6 +97,17 @@ def start_worker(
     return BackgroundWorker(config)
 
 
+def start_gateway(store_address: str, worker_address: str, host: str = "127.0.0.1", port: int = 8000):
+    """The OpenAI-compatible API in front of the worker, listing the store's adapters, in a
+    background thread; `.url`, `.stop()`."""
+    from loraserve.gateway.config import GatewayConfig
+    from loraserve.gateway.server import BackgroundGateway
+
+    return BackgroundGateway(
+        GatewayConfig(host=host, port=port, worker=worker_address, store=store_address, log_level="WARNING")
+    )
+
+
 def sample_generations(
     worker_address: str, adapter_ids: Sequence[str], prompt: str = SAMPLE_PROMPT, max_tokens: int = 16
 ) -> list[tuple[str, str]]:
@@ -128,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--worker-port", type=int, default=50052, help="inference worker port (0 picks a free one)"
     )
+    parser.add_argument(
+        "--openai-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0 picks a free one)"
+    )
     parser.add_argument("--once", action="store_true", help="exit after setting up instead of serving")
     args = parser.parse_args(list(argv or []))
 
@@ -137,19 +152,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(DEMO_ADAPTERS)} demo adapters"
     )
     store = start_store(default, args.host, args.store_port)
-    worker = None
+    worker = gateway = None
     try:
         print(f"adapter store on {store.address}")
         infos = register_demo_adapters(store.address, default)
         print(format_table(infos))
         worker = start_worker(default, store.address, args.host, args.worker_port)
         print(f"inference worker on {worker.address}")
+        with WorkerClient(worker.address, timeout=30) as w:
+            base_model = w.info().model
         print(f"\nsample generations (greedy, 16 tokens) for {SAMPLE_PROMPT!r}:")
         for name, text in sample_generations(worker.address, list(default.adapters)):
             print(f"  {name:<14} -> {text!r}")
+        gateway = start_gateway(store.address, worker.address, args.host, args.openai_port)
+        adapter = next(iter(default.adapters))
+        print(f"OpenAI-compatible API on {gateway.url}/v1 (model: an adapter id, or {base_model!r})")
+        print(f"\ntry: loraserve generate --worker {worker.address} --adapter {adapter} 'Hello world'")
         print(
-            f"\ntry: loraserve generate --worker {worker.address} --adapter {next(iter(default.adapters))} "
-            f"'Hello world'"
+            f"     curl {gateway.url}/v1/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"model": "{adapter}", "prompt": "Hello world", "max_tokens": 16}}'"""
         )
         if not args.once:
             print("serving; Ctrl-C to stop")
@@ -158,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 signal.signal(sig, lambda *_: stop.set())
             stop.wait()
     finally:
+        if gateway is not None:
+            gateway.stop()
         if worker is not None:
             worker.stop(grace=1.0)
         store.stop(grace=1.0, drain=True)

@@ -60,12 +60,23 @@ def test_async_client(store) -> None:
 
 def test_up_embedded_default(tmp_path: Path, capsys) -> None:
     data = tmp_path / "demo"
-    argv = ["--data-dir", str(data), "--store-port", "0", "--worker-port", "0", "--once"]
+    argv = [
+        "--data-dir",
+        str(data),
+        "--store-port",
+        "0",
+        "--worker-port",
+        "0",
+        "--openai-port",
+        "0",
+        "--once",
+    ]
     assert up_main(argv) == 0
     out = capsys.readouterr().out
     for spec in DEMO_ADAPTERS:
         assert spec.name in out
     assert (data / "model" / "config.json").exists() and (data / "store" / "registry.sqlite3").exists()
+    assert "OpenAI-compatible API on http://127.0.0.1:" in out and "curl http://127.0.0.1:" in out
     samples = [line for line in out.splitlines() if " -> " in line]
     assert len(samples) == 1 + len(DEMO_ADAPTERS)  # base + every demo adapter
     assert len({line.split(" -> ", 1)[1] for line in samples}) == len(
