@@ -12,6 +12,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "worker": ("loraserve.inference_worker.server", "main", "run an inference worker"),
     "openai": ("loraserve.gateway.server", "main", "serve the OpenAI-compatible HTTP API"),
     "up": ("loraserve.up", "main", "run a store and a worker on the embedded default"),
+    "model": (
+        "loraserve.inference_worker.model.fetch_cli",
+        "model_main",
+        "list the real-model catalog, or fetch one as a Hugging Face directory",
+    ),
     "register": ("loraserve.clients.store_cli", "register_main", "register an adapter with a store"),
     "adapters": ("loraserve.clients.store_cli", "adapters_main", "list, show or delete a store's adapters"),
     "generate": ("loraserve.clients.worker_cli", "generate_main", "generate text through a worker"),

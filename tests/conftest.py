@@ -46,3 +46,11 @@ def redis_prefix(redis_url: str):
     if keys:
         r.delete(*keys)
     r.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real SmolLM2-135M-Instruct in HF layout, fetched once and cached (tests/helpers/real_model.py)."""
+    from tests.helpers.real_model import smollm2_dir
+
+    return smollm2_dir(request.config, tmp_path_factory)

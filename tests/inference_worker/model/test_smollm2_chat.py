@@ -1,6 +1,7 @@
-"""Chat on the real SmolLM2-135M-Instruct: the prompt our worker renders equals transformers'
-apply_chat_template token for token, and greedy chat completions from our engine equal
-transformers' generate (fp32, CPU), both stopping at the end of the assistant's turn."""
+"""Chat on the real SmolLM2-135M-Instruct (fetched and converted by `loraserve model fetch`): the
+prompt our worker renders equals transformers' apply_chat_template token for token, and greedy chat
+completions from our engine equal transformers' generate (fp32, CPU), both stopping at the end of
+the assistant's turn."""
 
 from __future__ import annotations
 
@@ -35,13 +36,12 @@ CONVERSATIONS = [
         {"role": "user", "content": "And in German, with an umlaut: Grüß dich?"},
     ],
 ]
-MAX_NEW = 32
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def model_dir(request: pytest.FixtureRequest) -> Path:
-    real_model = pytest.importorskip("tests.helpers.real_model", reason="needs the SmolLM2 catalog")
-    return real_model.smollm2(request.config)[0]
+def model_dir(smollm2_dir: Path) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")
