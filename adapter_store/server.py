@@ -22,10 +22,10 @@ from loraserve.adapter_store.registry import Registry, SqliteRegistry
 from loraserve.adapter_store.service import AdapterService
 from loraserve.adapter_store.servicer import AdapterStoreServicer, add_to_server
 from loraserve.adapter_store.sources import SourceResolver, boto3_s3_factory
-from loraserve.clients.channel import bind_port
 from loraserve.serving.background import BackgroundServer
 from loraserve.serving.interceptors import BearerTokenInterceptor, ErrorStatusInterceptor
 from loraserve.serving.logs import configure_logging
+from loraserve.serving.ports import bind_grpc_port, grpc_server
 from loraserve.v1 import store_pb2
 
 log = logging.getLogger("loraserve.store")
@@ -102,7 +102,7 @@ def create_server(config: StoreConfig) -> tuple[StoreServer, int]:
         BearerTokenInterceptor({method: config.admin_token for method in ADMIN_METHODS}),
         ErrorStatusInterceptor(log),
     ]
-    server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+    server = grpc_server(interceptors, GRPC_OPTIONS)
     add_to_server(AdapterStoreServicer(service, config.chunk_bytes), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -110,20 +110,19 @@ def create_server(config: StoreConfig) -> tuple[StoreServer, int]:
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = bind_port(server, config.host, config.port, config.tls_cert, config.tls_key)
+    port = bind_grpc_port(server, config.host, config.port, config.tls_cert, config.tls_key)
     return StoreServer(server, service, health_servicer, config, metrics), port
 
 
 async def serve(config: StoreConfig) -> None:
     store, port = create_server(config)
     await store.start()
-    log.info(
-        "adapter store listening on %s:%d (registry: %s, adapter root: %s)",
-        config.host,
-        port,
-        "redis" if config.redis_url else "sqlite",
-        config.root,
+    line = (
+        f"adapter store listening on {config.host}:{port} "
+        f"(registry: {'redis' if config.redis_url else 'sqlite'}, adapter root: {config.root})"
     )
+    log.info("%s", line)
+    print(line, flush=True)  # the bound port, whatever the log level (--port 0 picks one)
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -172,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(config.log_level)
     try:
         asyncio.run(serve(config))
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # PortUnavailable included: one line, no traceback
         log.error("%s", exc)
         return 1
     return 0

@@ -89,18 +89,3 @@ def open_aio_channel(
         if creds
         else grpc.aio.insecure_channel(address, options=options)
     )
-
-
-def bind_port(
-    server: grpc.aio.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None
-) -> int:
-    """Listen on host:port (port 0 picks one), with TLS when a certificate and key are given; -> the bound port."""
-    address = f"{host}:{port}"
-    if tls_cert and tls_key:
-        creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot bind {address}")
-    return bound

@@ -15,23 +15,9 @@ import uvicorn
 from loraserve.gateway.app import create_app
 from loraserve.gateway.config import GatewayConfig
 from loraserve.serving.logs import configure_logging
+from loraserve.serving.ports import PortUnavailable, listen_socket
 
 log = logging.getLogger("loraserve.gateway")
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0 picks a free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def url_of(host: str, sock: socket.socket) -> str:
@@ -58,7 +44,7 @@ class BackgroundGateway:
     """The gateway serving on its own event loop in a daemon thread; `.url`, `.stop()`."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        self.sock = bind(config.host, config.port)
+        self.sock = listen_socket(config.host, config.port)
         self.url = url_of(config.host, self.sock)
         self.server = make_server(config)
         self._thread = threading.Thread(target=self._run, name="openai-gateway", daemon=True)
@@ -84,7 +70,11 @@ class BackgroundGateway:
 def main(argv: Sequence[str] | None = None) -> int:
     config = GatewayConfig.from_args(argv)
     configure_logging(config.log_level)
-    sock = bind(config.host, config.port)
+    try:
+        sock = listen_socket(config.host, config.port)
+    except PortUnavailable as exc:  # one line, no traceback
+        log.error("%s", exc)
+        return 1
     target = f"the fleet in {config.redis_url}" if config.redis_url else f"worker {config.worker}"
     print(f"OpenAI-compatible API on {url_of(config.host, sock)}/v1 (in front of {target})", flush=True)
     server = make_server(config)

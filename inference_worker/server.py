@@ -16,11 +16,9 @@ import signal
 import time
 from collections.abc import Sequence
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from loraserve.clients.channel import bind_port
 from loraserve.inference_worker.builder import build_worker
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import LLMEngine
@@ -30,6 +28,7 @@ from loraserve.inference_worker.service import InferenceWorkerServicer, dispatch
 from loraserve.serving.background import BackgroundServer
 from loraserve.serving.interceptors import BearerTokenInterceptor, ErrorStatusInterceptor
 from loraserve.serving.logs import configure_logging
+from loraserve.serving.ports import PortUnavailable, bind_grpc_port, grpc_server
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("loraserve.worker")
@@ -44,8 +43,8 @@ class WorkerServer:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.health = health.aio.HealthServicer()
-        self.grpc_server = grpc.aio.server(
-            interceptors=[
+        self.grpc_server = grpc_server(
+            [
                 BearerTokenInterceptor(
                     {f"/{SERVICE_NAME}/{m}": config.generate_token for m in GENERATE_METHODS}
                     | {f"/{SERVICE_NAME}/{m}": config.admin_token for m in ADMIN_METHODS}
@@ -54,7 +53,7 @@ class WorkerServer:
             ],
             # 4 MiB bounds what a client can make the worker parse (a prompt is further bounded in
             # characters before it is tokenized)
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4 << 20)],
+            [("grpc.max_receive_message_length", 4 << 20)],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
@@ -65,7 +64,9 @@ class WorkerServer:
             ),
             self.grpc_server,
         )
-        self.port = bind_port(self.grpc_server, config.host, config.port, config.tls_cert, config.tls_key)
+        self.port = bind_grpc_port(
+            self.grpc_server, config.host, config.port, config.tls_cert, config.tls_key
+        )
         # the bound port (port 0 picks one): the worker id and the advertised address derive from it
         self.config = config.replace(port=self.port) if config.port == 0 else config
         worker = build_worker(self.config)
@@ -147,7 +148,9 @@ class BackgroundWorker(BackgroundServer["WorkerServer"]):
 
 
 async def serve(config: WorkerConfig) -> None:
-    server, _ = await start_worker(config)
+    server, port = await start_worker(config)
+    # the bound port, whatever the log level (--port 0 picks one)
+    print(f"worker {server.config.resolved_worker_id} listening on {config.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()
     drained = asyncio.Event()
 
@@ -169,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelConfigError as exc:
         log.error("cannot start: %s", exc)
         return 2
+    except PortUnavailable as exc:
+        log.error("%s", exc)
+        return 1
     return 0
 
 

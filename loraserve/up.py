@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from loraserve.adapter_store.server import BackgroundStore
 from loraserve.clients.store_cli import format_table
 from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
+from loraserve.serving.ports import PortUnavailable
 
 SAMPLE_PROMPT = "Once upon a time"
 
@@ -145,7 +147,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--once", action="store_true", help="exit after setting up instead of serving")
     args = parser.parse_args(list(argv or []))
+    try:
+        return _up(args)
+    except PortUnavailable as exc:  # one line, no traceback
+        print(f"loraserve up: {exc}", file=sys.stderr)
+        return 1
 
+
+def _up(args: argparse.Namespace) -> int:
     default = prepare_embedded_default(args.data_dir)
     print(
         f"embedded default in {default.data_dir}: model {default.model_dir.name}, "

@@ -1,0 +1,78 @@
+"""Listening on a port, for every server (the gRPC store and worker, an HTTP gateway): one process
+per port, and a port that cannot be had is one clear error, `PortUnavailable`, whose message is
+the whole story ("cannot listen on 127.0.0.1:50051: Address already in use").
+
+gRPC turns SO_REUSEPORT on by default: a second server on a busy port then binds too and the
+kernel spreads connections over both. `grpc_server` turns it off; `bind_grpc_port` checks the port
+with a plain socket first, so a busy one fails before gRPC logs its own lines about it.
+`listen_socket` is the same for a server that takes a ready socket (uvicorn's `sockets=`).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+# every loraserve gRPC server: one process per port
+NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
+
+class PortUnavailable(OSError):
+    """The port is taken (or the address cannot be bound); str() is the one line to print."""
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening, non-blocking TCP socket on host:port (port 0 picks a free one), without
+    SO_REUSEPORT; raises PortUnavailable."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    # SO_REUSEADDR only lets a restarted server bind past connections in TIME_WAIT: on Linux it
+    # never lets two sockets listen on one port
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host or "0.0.0.0", port))
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise PortUnavailable(f"cannot listen on {_address(host, port)}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def grpc_server(
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (), options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Server:
+    """A grpc.aio server that cannot share its port with another process."""
+    return grpc.aio.server(interceptors=list(interceptors), options=[*options, NO_REUSEPORT])
+
+
+def bind_grpc_port(
+    server: grpc.aio.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None
+) -> int:
+    """Listen on host:port (port 0 picks one), with TLS when a certificate and key are given;
+    -> the bound port. Raises PortUnavailable."""
+    if port != 0:
+        listen_socket(host, port).close()  # a busy port fails here, in one line
+    address = _address(host, port)
+    try:
+        if tls_cert and tls_key:
+            creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+            bound = server.add_secure_port(address, creds)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
+    if bound == 0:
+        raise PortUnavailable(f"cannot listen on {address}: taken, or not an address of this host")
+    return bound
