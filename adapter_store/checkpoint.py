@@ -4,6 +4,8 @@ The safetensors header is parsed and checked here before any tensor is materiali
 little-endian header length, then a JSON object `{name: {dtype, shape, data_offsets}}` whose
 offsets are relative to the end of the header. Sizes, counts, dtypes and offsets are bounded
 first, so a hostile file cannot make the store allocate more than the file holds.
+Hand-written because the safetensors library cannot do this: its loaders copy every tensor out
+before the caller sees a count, dtype or shape (and view without a copy only from a file).
 """
 
 from __future__ import annotations

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from loraserve.contract.adapter_layout import CHUNK_SIZE, DTYPES
-from loraserve.serving.settings import config_from_args
+from loraserve.serving.settings import SERVER_HELP, config_from_args
 
 _HELP = {
-    "host": "address to listen on",
-    "port": "port to listen on (0 picks a free one)",
+    **SERVER_HELP,
     "data_dir": "store data directory (SQLite registry when no Redis URL is set)",
     "adapter_root": "local sources must resolve inside this directory (default DATA_DIR/adapters)",
     "base_model": "base model directory holding config.json (or the config.json itself)",
@@ -39,11 +38,7 @@ _HELP = {
     "s3_region": "S3 region; default from the AWS configuration",
     "s3_timeout_s": "S3 connect/read timeout in seconds",
     "admin_token": "bearer token required by RegisterAdapter and DeleteAdapter",
-    "tls_cert": "PEM certificate chain; serve TLS when set (with --tls-key)",
-    "tls_key": "PEM private key of --tls-cert",
-    "metrics_port": "serve Prometheus metrics on this port",
     "grace_period_s": "seconds running streams get to finish on SIGTERM",
-    "log_level": "logging level",
 }
 
 

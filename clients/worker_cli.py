@@ -15,7 +15,8 @@ import grpc
 
 from loraserve.clients.router import WorkerRouter, discover_workers
 from loraserve.clients.tables import format_table
-from loraserve.clients.worker_client import Completion, Usage, WorkerClient
+from loraserve.clients.worker_client import Completion, WorkerClient
+from loraserve.contract.usage import Usage
 from loraserve.v1 import worker_pb2
 
 

@@ -12,14 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraserve.serving.settings import config_from_args
+from loraserve.serving.settings import SERVER_HELP, config_from_args
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _HELP = {
+    **SERVER_HELP,
     "model": "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)",
-    "host": "address to listen on",
-    "port": "port to listen on (0 picks a free one)",
     "device": "cpu, cuda, cuda:N or auto (cuda when available)",
     "dtype": "compute dtype; auto = bfloat16 on CUDA, float32 on CPU",
     "max_num_seqs": "largest running batch",
@@ -51,11 +50,7 @@ _HELP = {
     "advertise_address": "address other services reach this worker at (default host:port)",
     "generate_token": "bearer token required by Generate/GenerateStream",
     "admin_token": "bearer token required by LoadAdapter/UnloadAdapter/PinAdapter",
-    "tls_cert": "PEM certificate chain; serve TLS when set (with --tls-key)",
-    "tls_key": "PEM private key of --tls-cert",
-    "metrics_port": "serve Prometheus metrics on this port",
     "grace_period_s": "seconds running generations get to finish on SIGTERM",
-    "log_level": "logging level",
 }
 
 

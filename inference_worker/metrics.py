@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+if TYPE_CHECKING:
+    from loraserve.contract.usage import Usage
+    from loraserve.inference_worker.engine.engine import LLMEngine
+
 
 class WorkerMetrics:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -44,7 +48,7 @@ class WorkerMetrics:
         )
         self._server: Any = None  # prometheus_client's WSGIServer once serving
 
-    def observe_finished(self, usage) -> None:
+    def observe_finished(self, usage: Usage) -> None:
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.generated_tokens.inc(usage.completion_tokens)
         if usage.completion_tokens:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -22,6 +23,11 @@ from loraserve.inference_worker.model.token_bytes import TokenBytes
 from loraserve.inference_worker.outputs_pb import ResponseBuilder, stream_message
 from loraserve.serving.errors import status_of
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from grpc.aio import ServicerContext
+
+    from loraserve.inference_worker.engine.output_queue import OutputCallback, OutputDispatcher
 
 VERSION = "0.1.0"
 
@@ -72,15 +78,19 @@ def adapter_to_pb(a: AdapterState) -> worker_pb2.WorkerAdapter:
     return pb
 
 
-def _deliver(items: list) -> None:
+def _deliver(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
     for callback, out in items:
         callback(out)
 
 
-def dispatch_on(loop: asyncio.AbstractEventLoop):
+def dispatch_on(loop: asyncio.AbstractEventLoop) -> OutputDispatcher:
     """An engine output dispatcher: one thread-safe hand-over per step to `loop`, where each
     request's callback (its queue's put_nowait) runs."""
-    return lambda items: loop.call_soon_threadsafe(_deliver, items)
+
+    def dispatch(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
+        loop.call_soon_threadsafe(_deliver, items)
+
+    return dispatch
 
 
 class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
@@ -98,8 +108,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
 
     # -------------------------------------------------------------------------- helpers
     async def _outputs(
-        self, request: worker_pb2.GenerateRequest, context, method: str
-    ) -> AsyncIterator[RequestOutput]:
+        self, request: worker_pb2.GenerateRequest, context: ServicerContext, method: str
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submits the request and yields its outputs; aborting the sequence if the call goes away."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = request.request_id or uuid.uuid4().hex
@@ -149,21 +159,27 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 self.metrics.requests.labels(method, "CANCELLED").inc()
 
     # ---------------------------------------------------------------------------- RPCs
-    async def Generate(self, request, context):
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: ServicerContext
+    ) -> worker_pb2.GenerateResponse:
         response = ResponseBuilder(request.request_id, self.token_text)
         async with aclosing(self._outputs(request, context, "Generate")) as outs:
             async for out in outs:
                 response.add(out)
         return response.response()
 
-    async def GenerateStream(self, request, context):
+    async def GenerateStream(
+        self, request: worker_pb2.GenerateRequest, context: ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
         async with aclosing(self._outputs(request, context, "GenerateStream")) as outs:
             async for out in outs:
                 msg = stream_message(out, self.token_text)
                 if msg is not None:
                     yield msg
 
-    async def GetWorkerInfo(self, request, context):
+    async def GetWorkerInfo(
+        self, request: worker_pb2.GetWorkerInfoRequest, context: ServicerContext
+    ) -> worker_pb2.WorkerInfo:
         e, c = self.engine, self.config
         return worker_pb2.WorkerInfo(
             worker_id=c.resolved_worker_id,
@@ -188,7 +204,9 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             raise NoAdapterStore()
         return self.adapters
 
-    async def LoadAdapter(self, request, context):
+    async def LoadAdapter(
+        self, request: worker_pb2.LoadAdapterRequest, context: ServicerContext
+    ) -> worker_pb2.LoadAdapterResponse:
         adapters = self._adapters()
         tiers = {
             worker_pb2.ADAPTER_TIER_UNSPECIFIED: "gpu",
@@ -200,15 +218,21 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         state = await adapters.load_adapter(request.adapter_id, tiers[request.tier])
         return worker_pb2.LoadAdapterResponse(adapter=adapter_to_pb(state))
 
-    async def UnloadAdapter(self, request, context):
+    async def UnloadAdapter(
+        self, request: worker_pb2.UnloadAdapterRequest, context: ServicerContext
+    ) -> worker_pb2.UnloadAdapterResponse:
         unloaded = await self._adapters().unload_adapter(request.adapter_id)
         return worker_pb2.UnloadAdapterResponse(unloaded=bool(unloaded))
 
-    async def PinAdapter(self, request, context):
+    async def PinAdapter(
+        self, request: worker_pb2.PinAdapterRequest, context: ServicerContext
+    ) -> worker_pb2.PinAdapterResponse:
         state = await self._adapters().pin_adapter(request.adapter_id, request.pinned)
         return worker_pb2.PinAdapterResponse(adapter=adapter_to_pb(state))
 
-    async def ListAdapters(self, request, context):
+    async def ListAdapters(
+        self, request: worker_pb2.ListWorkerAdaptersRequest, context: ServicerContext
+    ) -> worker_pb2.ListWorkerAdaptersResponse:
         if self.adapters is None:
             return worker_pb2.ListWorkerAdaptersResponse()
         states = self.adapters.list_adapters()

@@ -19,9 +19,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Kernel parameters stay unannotated (type: ignore[no-untyped-def]): Triton reads a parameter's
+# annotation as a specialization hint, so a type there would change the compiled kernel.
+
 
 @triton.jit
-def split_for(num_work, col_tiles, in_features, target_items, max_split, BLOCK_K: tl.constexpr):
+def split_for(num_work, col_tiles, in_features, target_items, max_split, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
     """K chunks per (work item, column tile) and their width (a multiple of BLOCK_K)."""
     want = tl.maximum(1, tl.minimum(target_items // tl.maximum(num_work * col_tiles, 1), max_split))
     k_blocks = (in_features + BLOCK_K - 1) // BLOCK_K
@@ -30,7 +33,7 @@ def split_for(num_work, col_tiles, in_features, target_items, max_split, BLOCK_K
 
 
 @triton.jit
-def item_rows(
+def item_rows(  # type: ignore[no-untyped-def]
     work_slot_ptr,
     work_start_ptr,
     work_end_ptr,
@@ -56,7 +59,7 @@ def item_rows(
 
 
 @triton.jit
-def sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT: tl.constexpr, UNROLL: tl.constexpr):
+def sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT: tl.constexpr, UNROLL: tl.constexpr):  # type: ignore[no-untyped-def]
     """s of one row tile: the sum of the shrink's `split` K-chunk partials (fp32). UNROLL issues all
     MAX_SPLIT (masked) loads at once; otherwise a run-time loop keeps one partial in registers at a
     time (wide rank tiles, which would spill)."""
@@ -75,7 +78,7 @@ def sum_partials(s_base, part_stride, rs, s_mask, split, MAX_SPLIT: tl.constexpr
 
 
 @triton.jit
-def load_b(b_slot, ns, rs, n_ok, rank, max_rank, VEC: tl.constexpr):
+def load_b(b_slot, ns, rs, n_ok, rank, max_rank, VEC: tl.constexpr):  # type: ignore[no-untyped-def]
     """B tile [R, N] of one slot: B[n, r] for r < rank, zero past it. A row of B is contiguous
     along r, so the load mask covers whole VEC-element vectors (16-byte loads; VEC divides
     max_rank, so no vector leaves the row) and the entries from the rank to the vector's end are
@@ -88,14 +91,14 @@ def load_b(b_slot, ns, rs, n_ok, rank, max_rank, VEC: tl.constexpr):
 
 
 @triton.jit
-def mma(a, b, IEEE: tl.constexpr):
+def mma(a, b, IEEE: tl.constexpr):  # type: ignore[no-untyped-def]
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
 
 
 @triton.jit
-def shrink_kernel(
+def shrink_kernel(  # type: ignore[no-untyped-def]
     x_ptr,  # [T, K]
     a_ptr,  # [L, S, R, K]
     ranks_ptr,  # [L] int32
@@ -172,7 +175,7 @@ def shrink_kernel(
 
 
 @triton.jit
-def expand_kernel(
+def expand_kernel(  # type: ignore[no-untyped-def]
     part_ptr,  # [split, S, T, R] fp32
     b_ptr,  # [L, N, R]
     ranks_ptr,  # [L] int32

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from loraserve.adapter_store.config import StoreConfig
-from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
+from loraserve.adapter_store.demo import DEMO_ADAPTERS
 from loraserve.adapter_store.server import BackgroundStore
 from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
-from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.server import BackgroundWorker
-from tests.helpers.ports import free_port
 from tests.helpers.private_redis import PrivateRedis
+from tests.helpers.redis_system import redis_system
 
 pytestmark = [
     pytest.mark.redis,
@@ -37,47 +35,15 @@ ROUNDS = 6
 def system(
     tiny_model_dir: Path, tmp_path: Path
 ) -> Iterator[tuple[PrivateRedis, BackgroundStore, BackgroundWorker]]:
-    server = PrivateRedis(tmp_path)
-    server.start()
-    write_demo_adapters(tmp_path / "adapters", tiny_model_dir)
-    store = BackgroundStore(
-        StoreConfig(
-            base_model=str(tiny_model_dir),
-            port=0,
-            data_dir=str(tmp_path / "store"),
-            adapter_root=str(tmp_path / "adapters"),
-            serving_dtype="float32",
-            redis_url=server.url,
-            redis_prefix=PREFIX,
-            log_level="WARNING",
-        )
-    )
-    worker_port = free_port()
-    worker = BackgroundWorker(
-        WorkerConfig(
-            model=str(tiny_model_dir),
-            port=worker_port,
-            device="cpu",
-            dtype="float32",
-            store_address=store.address,
-            redis_url=server.url,
-            redis_prefix=PREFIX,
-            worker_id="w-freeze",
-            max_loras=2,
-            max_cpu_loras=4,
-            num_kv_blocks=128,
-            max_num_seqs=8,
-            advertise_address=f"127.0.0.1:{worker_port}",
-            adapter_poll_interval_s=0.2,
-            log_level="ERROR",
-        )
-    )
-    try:
-        yield server, store, worker
-    finally:
-        worker.stop()
-        store.stop()
-        server.stop()
+    with redis_system(
+        tiny_model_dir,
+        tmp_path,
+        prefix=PREFIX,
+        worker_id="w-freeze",
+        adapter_poll_interval_s=0.2,
+        worker_log_level="ERROR",
+    ) as running:
+        yield running
 
 
 def latencies(address: str, adapter_id: str, min_s: float = 0.0) -> tuple[list[float], list[float]]:

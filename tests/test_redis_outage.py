@@ -14,15 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from loraserve.adapter_store.config import StoreConfig
-from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
+from loraserve.adapter_store.demo import DEMO_ADAPTERS
 from loraserve.adapter_store.server import BackgroundStore
 from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
-from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.server import BackgroundWorker
-from tests.helpers.ports import free_port
 from tests.helpers.private_redis import PrivateRedis
+from tests.helpers.redis_system import redis_system
 
 pytestmark = [
     pytest.mark.redis,
@@ -43,48 +41,11 @@ def _wait(predicate, timeout: float = 20.0, what: str = "condition") -> None:
 def system(
     tiny_model_dir: Path, tmp_path: Path
 ) -> Iterator[tuple[PrivateRedis, BackgroundStore, BackgroundWorker, str]]:
-    server = PrivateRedis(tmp_path)  # a private server, stopped at the end: no keys to clean up
-    server.start()
     prefix = "loraserve-outage:"
-    write_demo_adapters(tmp_path / "adapters", tiny_model_dir)
-    store = BackgroundStore(
-        StoreConfig(
-            base_model=str(tiny_model_dir),
-            port=0,
-            data_dir=str(tmp_path / "store"),
-            adapter_root=str(tmp_path / "adapters"),
-            serving_dtype="float32",
-            redis_url=server.url,
-            redis_prefix=prefix,
-            log_level="WARNING",
-        )
-    )
-    worker_port = free_port()
-    worker = BackgroundWorker(
-        WorkerConfig(
-            model=str(tiny_model_dir),
-            port=worker_port,
-            device="cpu",
-            dtype="float32",
-            store_address=store.address,
-            redis_url=server.url,
-            redis_prefix=prefix,
-            worker_id="w-outage",
-            max_loras=2,
-            max_cpu_loras=4,
-            num_kv_blocks=128,
-            max_num_seqs=8,
-            advertise_address=f"127.0.0.1:{worker_port}",
-            adapter_poll_interval_s=0.1,
-            log_level="WARNING",
-        )
-    )
-    try:
+    with redis_system(
+        tiny_model_dir, tmp_path, prefix=prefix, worker_id="w-outage", adapter_poll_interval_s=0.1
+    ) as (server, store, worker):
         yield server, store, worker, prefix
-    finally:
-        worker.stop()
-        store.stop()
-        server.stop()
 
 
 def test_services_ride_out_a_redis_outage(system) -> None:

@@ -4,6 +4,7 @@ checked by clients/adapter_fetch.py). Turns the store's answers into adapter fai
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from loraserve.clients.channel import bearer_metadata
 from loraserve.contract.payload import PayloadTensor
@@ -16,6 +17,11 @@ from loraserve.inference_worker.errors import (
     WorkerError,
 )
 from loraserve.inference_worker.lora.payload import AdapterPayload
+
+if TYPE_CHECKING:
+    import grpc
+
+    from loraserve.v1 import store_pb2_grpc
 
 
 class StoreSource:
@@ -34,10 +40,10 @@ class StoreSource:
         self._metadata: Sequence[tuple[str, str]] | None = bearer_metadata(token)
         self._timeout_s, self._max_retries = timeout_s, max_retries
         self._tls_root_cert = tls_root_cert
-        self._channel = None
-        self._stub = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: store_pb2_grpc.AdapterStoreStub | None = None
 
-    def _store_stub(self):
+    def _store_stub(self) -> store_pb2_grpc.AdapterStoreStub:
         from loraserve.clients.channel import open_aio_channel
         from loraserve.v1 import store_pb2_grpc
 
@@ -116,7 +122,7 @@ class StoreSource:
             self._channel, self._stub = None, None
 
 
-def failure_of(exc, adapter_id: str) -> WorkerError:
+def failure_of(exc: grpc.RpcError, adapter_id: str) -> WorkerError:
     """The adapter failure for a store RPC error."""
     import grpc
 

@@ -19,10 +19,12 @@ republished, so Redis converges back.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from loraserve.inference_worker.coordination.coordinator import (
@@ -75,7 +77,7 @@ class RedisCoordinator:
     def _key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
-    def _call(self, fn, default: Any = None) -> Any:
+    def _call(self, fn: Callable[[], Any], default: Any = None) -> Any:
         """fn() against Redis, or `default` while Redis is unreachable."""
         if time.monotonic() < self._down_until:
             return default
@@ -146,7 +148,7 @@ class RedisCoordinator:
         )
         out: list[Residency] = []
         for w in workers:
-            entries = self._call(lambda w=w: self._redis.hgetall(self._key("residency", w)), None)
+            entries = self._call(functools.partial(self._redis.hgetall, self._key("residency", w)), None)
             if entries is None:  # unreachable: this worker's own shadow is still known
                 out += [r for (sw, _), r in self._shadow_residency.items() if sw == w]
                 continue

@@ -1,22 +1,33 @@
 """Incremental detokenization with stop strings that may span token boundaries.
 
 Text is released only once it is final: a token that ends inside a multi-byte character waits
-for the next one, and the last `max(len(stop)) - 1` characters are held back while they could
-still be the start of a stop string. A matched stop string and everything after it is dropped.
+for the next one (`tokenizers`' DecodeStream does the incremental decode), and the last
+`max(len(stop)) - 1` characters are held back while they could still be the start of a stop
+string. A matched stop string and everything after it is dropped.
 """
 
 from __future__ import annotations
 
+import logging
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+log = logging.getLogger(__name__)
+
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # decoded output so far (final characters only)
         self.sent = 0  # characters of `text` already released
-        self._prefix = 0  # token offsets of the incremental decode window
+        # DecodeStream's window, mirrored for the final flush: it decodes token_ids[_prefix:] and
+        # the text of token_ids[:_read] is in `text`; both move on each chunk it returns
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
+        self._prefix = 0
         self._read = 0
         self.stopped = False
 
@@ -26,11 +37,9 @@ class TextStream:
     def append(self, token_id: int) -> bool:
         """Add a generated token; returns True when a stop string matched (text is cut there)."""
         self.token_ids.append(token_id)
-        window = self._decode(self.token_ids[self._prefix :])
-        if window.endswith("\ufffd"):
+        new = self._step(token_id)
+        if new is None:
             return False  # inside a multi-byte character: wait for more tokens
-        before = self._decode(self.token_ids[self._prefix : self._read])
-        new = window[len(before) :]
         self._prefix, self._read = self._read, len(self.token_ids)
         start = max(0, len(self.text) - self.holdback)
         self.text += new
@@ -42,11 +51,28 @@ class TextStream:
                 return True
         return False
 
+    def _step(self, token_id: int) -> str | None:
+        """The new text once token_id completes some, else None."""
+        if self._stream is not None:
+            try:
+                return self._stream.step(self.tokenizer, token_id)
+            except Exception:  # a decoder whose output is not prefix-stable: decode by hand
+                log.warning("incremental decode failed; decoding this sequence by hand", exc_info=True)
+                self._stream = None
+        return self._by_hand(final=False)
+
+    def _by_hand(self, final: bool) -> str | None:
+        """The text of token_ids[_read:], decoded in the window from _prefix (a token's text may
+        depend on the ones before it); None while it ends inside a multi-byte character, unless final."""
+        window = self._decode(self.token_ids[self._prefix :])
+        if window.endswith("\ufffd") and not final:
+            return None
+        return window[len(self._decode(self.token_ids[self._prefix : self._read])) :]
+
     def take(self, final: bool) -> str:
         """Text released since the last call; everything left when `final`."""
         if final and not self.stopped and self._read < len(self.token_ids):
-            window = self._decode(self.token_ids[self._prefix :])
-            self.text += window[len(self._decode(self.token_ids[self._prefix : self._read])) :]
+            self.text += self._by_hand(final=True) or ""
             self._read = len(self.token_ids)
         end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.holdback)
         out = self.text[self.sent : end]

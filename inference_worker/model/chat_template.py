@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 from loraserve.inference_worker.errors import InvalidRequest
 
@@ -57,31 +60,31 @@ class _GenerationTag(jinja2.ext.Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser):
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-    def _body(self, caller):
+    def _body(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
 class _Namespace(jinja2.utils.Namespace):
     """Jinja's namespace, refusing underscore attributes (no reach into CPython internals)."""
 
-    def __init__(*args, **kwargs):  # same signature trick as jinja2.utils.Namespace
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja2.utils.Namespace
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
             _Namespace._check(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
-    def __setitem__(self, name, value):
+    def __setitem__(self, name: str, value: Any) -> None:
         _Namespace._check(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check(name) -> None:
+    def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set the attribute {name!r}")
 
@@ -89,22 +92,28 @@ class _Namespace(jinja2.utils.Namespace):
 class _Dict:
     """`dict(...)` and `dict.fromkeys(...)` for templates, without exposing the type itself."""
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args, **kwargs):
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 
-def _raise_exception(message):
+def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(fmt):
+def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
@@ -120,14 +129,14 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _token_text(value) -> str | None:
+def _token_text(value: object) -> str | None:
     """A special token of tokenizer_config.json: a string or an AddedToken dict."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _eos_ids(value) -> frozenset[int]:
+def _eos_ids(value: Any) -> frozenset[int]:
     if value is None:
         return frozenset()
     return frozenset(int(v) for v in (value if isinstance(value, list) else [value]))
@@ -137,7 +146,7 @@ class ChatTemplate:
     def __init__(
         self,
         source: str,
-        tokenizer,
+        tokenizer: Tokenizer,
         special_tokens: dict[str, str] | None = None,
         generation_eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
@@ -150,7 +159,7 @@ class ChatTemplate:
         self.end_of_turn_token_ids = self._end_of_turn_ids()
 
     @classmethod
-    def from_dir(cls, directory: str | Path, tokenizer) -> ChatTemplate | None:
+    def from_dir(cls, directory: str | Path, tokenizer: Tokenizer) -> ChatTemplate | None:
         """The template of a model directory; None when it has none (or it does not compile)."""
         d = Path(directory)
         config = _read_json(d / "tokenizer_config.json")

@@ -11,10 +11,15 @@ transformers tokenize it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from loraserve.inference_worker.model.config import ModelConfigError
 from loraserve.inference_worker.model.gguf_weights import field_value
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer
+    from tokenizers.pre_tokenizers import PreTokenizer
 
 CONTROL, USER_DEFINED = 3, 4
 # Llama 3's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3), a constant pattern
@@ -25,7 +30,7 @@ _LLAMA3_SPLIT = (
 SUPPORTED_PRE_TOKENIZERS = ("gpt2", "smollm", "llama-bpe")
 
 
-def _pre_tokenizer(pre: str):
+def _pre_tokenizer(pre: str) -> PreTokenizer:
     from tokenizers import Regex, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
@@ -45,12 +50,12 @@ def _pre_tokenizer(pre: str):
     )
 
 
-def _token(reader, key: str, tokens: list[str]) -> str | None:
+def _token(reader: GGUFReader, key: str, tokens: list[str]) -> str | None:
     tid = field_value(reader, f"tokenizer.ggml.{key}")
     return tokens[int(tid)] if tid is not None and 0 <= int(tid) < len(tokens) else None
 
 
-def build_tokenizer(reader) -> Any:
+def build_tokenizer(reader: GGUFReader) -> Tokenizer:
     """A `tokenizers.Tokenizer` equal to the GGUF file's byte-level BPE tokenizer."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
@@ -92,7 +97,7 @@ def build_tokenizer(reader) -> Any:
     return tok
 
 
-def tokenizer_config(reader) -> dict:
+def tokenizer_config(reader: GGUFReader) -> dict:
     """tokenizer_config.json: the special tokens, whether a BOS is added, the chat template."""
     tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens") or []
     config: dict = {
@@ -115,7 +120,7 @@ def tokenizer_config(reader) -> dict:
     return config
 
 
-def generation_config(reader) -> dict:
+def generation_config(reader: GGUFReader) -> dict:
     """generation_config.json: BOS, and every id that ends generation (EOS and end-of-turn)."""
     eos = [
         int(v)

@@ -15,12 +15,15 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from loraserve.inference_worker.model.config import ModelConfigError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
@@ -47,7 +50,7 @@ _BLOCK_NAMES = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def open_gguf(path: str | Path):
+def open_gguf(path: str | Path) -> GGUFReader:
     """A `gguf.GGUFReader` over the file (memory-mapped), or a ModelConfigError saying why not."""
     import gguf
 
@@ -57,7 +60,7 @@ def open_gguf(path: str | Path):
         raise ModelConfigError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def field_value(reader, key: str, default: Any = None) -> Any:
+def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     """A metadata value (str, number, bool or list of them), or `default` when absent."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -119,7 +122,7 @@ class GGUFLlama:
             yield name, torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
 
 
-def hf_config(reader) -> dict:
+def hf_config(reader: GGUFReader) -> dict:
     """config.json of a LlamaForCausalLM from a Llama GGUF's metadata."""
     arch = field_value(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 
 from loraserve.contract.adapter_layout import GROUPS
 from loraserve.inference_worker.model.config import ModelConfig, ModelConfigError
@@ -128,9 +129,7 @@ def _named_targets(model: LlamaModel) -> list[tuple[str, torch.Tensor, int]]:
     return out
 
 
-def load_tokenizer(directory: str | Path):
-    from tokenizers import Tokenizer
-
+def load_tokenizer(directory: str | Path) -> Tokenizer:
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         raise ModelConfigError(f"no tokenizer.json in model directory {directory}")

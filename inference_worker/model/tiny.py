@@ -12,9 +12,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 _CORPUS = """\
 loraserve serves many low-rank adapters of one base model from a fleet of workers.
@@ -59,7 +63,7 @@ class TinyLlamaSpec:
     name: str = "tiny-llama"
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int) -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -139,6 +143,7 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
     tok = build_tokenizer(spec.vocab_size)
     vocab_size = tok.get_vocab_size()
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    assert bos_id is not None and eos_id is not None  # the trainer's special tokens
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -39,7 +43,7 @@ def _decoder_types(decoder: dict | None) -> set[str]:
 
 
 class TokenBytes:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         types = _decoder_types(json.loads(tokenizer.to_str()).get("decoder"))
         self._byte_level = _byte_level_alphabet() if "ByteLevel" in types else None

@@ -1,1 +1,1 @@
-"""Plumbing both servers use: a server on a background loop, bearer checks, settings from flags and environment, JSON logs."""
+"""Plumbing both servers use: a server on a background loop, port binding, bearer checks, settings from flags and environment, JSON logs."""

@@ -16,6 +16,16 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# The help of the fields every server's config has.
+SERVER_HELP = {
+    "host": "address to listen on",
+    "port": "port to listen on (0 picks a free one)",
+    "tls_cert": "PEM certificate chain; serve TLS when set (with --tls-key)",
+    "tls_key": "PEM private key of --tls-cert",
+    "metrics_port": "serve Prometheus metrics on this port",
+    "log_level": "logging level",
+}
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 

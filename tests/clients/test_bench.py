@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loraserve.adapter_store.config import StoreConfig
-from loraserve.adapter_store.demo import DemoAdapterSpec, write_demo_adapters
-from loraserve.adapter_store.server import BackgroundStore
+from loraserve.adapter_store.demo import DemoAdapterSpec
 from loraserve.clients.bench import worker_metrics
 from loraserve.clients.bench.cli import bench_main
 from loraserve.clients.bench.results import RequestRecord, percentiles, summarize
@@ -22,11 +20,11 @@ from loraserve.clients.bench.runner import RunLimits, Runner
 from loraserve.clients.bench.targets import Chunk, TargetError
 from loraserve.clients.bench.workload import BenchRequest, RequestStream, WorkloadSpec, adapter_ids
 from loraserve.clients.router import discover_workers
-from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
 from loraserve.inference_worker.adapters.metrics import AdapterMetrics
-from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.server import BackgroundWorker
+from tests.helpers.lora_store import start_demo_store
+from tests.helpers.workers import worker_config
 
 NUM_ADAPTERS = 5
 
@@ -35,40 +33,23 @@ NUM_ADAPTERS = 5
 def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """A store with NUM_ADAPTERS adapters and two workers with 2 GPU slots and 3 CPU entries each,
     so a run over all five adapters loads, fetches and evicts."""
-    root = tmp_path_factory.mktemp("bench-adapters")
     ids = adapter_ids(NUM_ADAPTERS, "bench-{i}")
     specs = tuple(
         DemoAdapterSpec(aid, r=2 + i % 3, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=i)
         for i, aid in enumerate(ids)
     )
-    write_demo_adapters(root, tiny_model_dir, specs)
-    store = BackgroundStore(
-        StoreConfig(
-            base_model=str(tiny_model_dir),
-            port=0,
-            adapter_root=str(root),
-            data_dir=str(tmp_path_factory.mktemp("bench-store")),
-            serving_dtype="float32",
-            log_level="WARNING",
-        )
-    )
-    with StoreClient(store.address) as client:
-        for aid in ids:
-            client.register(aid, aid)
+    store = start_demo_store(tiny_model_dir, specs, tmp_path_factory.mktemp("bench"))
     workers = [
         BackgroundWorker(
-            WorkerConfig(
-                model=str(tiny_model_dir),
-                port=0,
+            worker_config(
+                tiny_model_dir,
+                max_num_batched_tokens=512,
+                max_queue_size=256,
                 metrics_port=0,
-                device="cpu",
-                dtype="float32",
                 store_address=store.address,
                 max_loras=2,
                 max_cpu_loras=3,
-                max_num_seqs=8,
                 num_kv_blocks=256,
-                log_level="WARNING",
             )
         )
         for _ in range(2)
@@ -179,18 +160,16 @@ def test_fleet_discovered_through_redis(
 ) -> None:
     store, _, _ = served
     worker = BackgroundWorker(
-        WorkerConfig(
-            model=str(tiny_model_dir),
-            port=0,
-            device="cpu",
-            dtype="float32",
+        worker_config(
+            tiny_model_dir,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            max_queue_size=256,
             store_address=store.address,
             redis_url=redis_url,
             redis_prefix=redis_prefix,
             max_loras=2,
             max_cpu_loras=3,
-            num_kv_blocks=128,
-            log_level="WARNING",
         )
     )
     try:

@@ -7,14 +7,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from loraserve.adapter_store.config import StoreConfig
-from loraserve.adapter_store.demo import DemoAdapterSpec, write_demo_adapters
+from loraserve.adapter_store.demo import DemoAdapterSpec
 from loraserve.adapter_store.server import BackgroundStore
 from loraserve.clients.router import WorkerRouter, _weight
-from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
-from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.server import BackgroundWorker
+from tests.helpers.lora_store import start_demo_store
+from tests.helpers.workers import worker_config
 
 SPECS = tuple(
     DemoAdapterSpec(f"route-{i}", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=i)
@@ -23,40 +22,19 @@ SPECS = tuple(
 PROMPT = [5, 17, 42, 99, 7]
 
 
-@pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("route-adapters")
-    write_demo_adapters(root, tiny_model_dir, SPECS)
-    store = BackgroundStore(
-        StoreConfig(
-            base_model=str(tiny_model_dir),
-            port=0,
-            adapter_root=str(root),
-            data_dir=str(tmp_path_factory.mktemp("route-store")),
-            serving_dtype="float32",
-            log_level="WARNING",
+def _worker(model_dir: Path, store: BackgroundStore) -> BackgroundWorker:
+    """A worker of the fleet: 2 GPU slots, 4 CPU entries."""
+    return BackgroundWorker(
+        worker_config(
+            model_dir, max_num_batched_tokens=512, store_address=store.address, max_loras=2, max_cpu_loras=4
         )
     )
-    with StoreClient(store.address) as c:
-        for s in SPECS:
-            c.register(s.name, s.name)
-    workers = [
-        BackgroundWorker(
-            WorkerConfig(
-                model=str(tiny_model_dir),
-                port=0,
-                device="cpu",
-                dtype="float32",
-                max_num_seqs=8,
-                num_kv_blocks=128,
-                store_address=store.address,
-                max_loras=2,
-                max_cpu_loras=4,
-                log_level="WARNING",
-            )
-        )
-        for _ in range(2)
-    ]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    store = start_demo_store(tiny_model_dir, SPECS, tmp_path_factory.mktemp("route"))
+    workers = [_worker(tiny_model_dir, store) for _ in range(2)]
     yield store, workers
     for w in workers:
         w.stop()
@@ -102,18 +80,17 @@ def test_free_slots_beat_hashing_for_adapters_held_nowhere(fleet) -> None:
         for c in clients:
             for a in c.list_adapters():
                 c.unload_adapter(a.adapter_id)
-        fresh = max(
-            (s.name for s in SPECS[4:]), key=lambda n: _weight(n, addresses[0]) - _weight(n, addresses[1])
-        )
-        assert _weight(fresh, addresses[0]) > _weight(fresh, addresses[1])  # its hash home is worker 0
+        fresh = SPECS[4].name
+        # its hash home: the highest weight (which worker that is depends on the ports)
+        home, away = sorted(range(2), key=lambda i: _weight(fresh, addresses[i]), reverse=True)
         with WorkerRouter(addresses, refresh_s=0.0) as router:
-            assert router.pick(fresh) == addresses[0]
-            for name in ("route-2", "route-3"):  # worker 0's two GPU slots fill up
-                clients[0].load_adapter(name, tier="gpu")
-            assert router.pick(fresh) == addresses[1]
-            clients[1].load_adapter("route-2", tier="gpu")
-            clients[1].load_adapter("route-3", tier="gpu")
-            assert router.pick(fresh) == addresses[0]  # no free slot anywhere: the home again
+            assert router.pick(fresh) == addresses[home]
+            for name in ("route-2", "route-3"):  # the home's two GPU slots fill up
+                clients[home].load_adapter(name, tier="gpu")
+            assert router.pick(fresh) == addresses[away]
+            clients[away].load_adapter("route-2", tier="gpu")
+            clients[away].load_adapter("route-3", tier="gpu")
+            assert router.pick(fresh) == addresses[home]  # no free slot anywhere: the home again
     finally:
         for c in clients:
             c.close()
@@ -128,20 +105,7 @@ def test_ids_spread_over_workers(fleet) -> None:
 
 def test_fails_over_when_a_worker_is_gone(fleet, tiny_model_dir: Path) -> None:
     store, workers = fleet
-    extra = BackgroundWorker(
-        WorkerConfig(
-            model=str(tiny_model_dir),
-            port=0,
-            device="cpu",
-            dtype="float32",
-            max_num_seqs=8,
-            num_kv_blocks=128,
-            store_address=store.address,
-            max_loras=2,
-            max_cpu_loras=4,
-            log_level="WARNING",
-        )
-    )
+    extra = _worker(tiny_model_dir, store)
     live = workers[0].address
     addresses = [extra.address, live]
     adapter = max((s.name for s in SPECS), key=lambda n: _weight(n, extra.address) - _weight(n, live))

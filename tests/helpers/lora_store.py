@@ -3,10 +3,16 @@ and a real adapter store (gRPC, SQLite registry) to register them in, with a han
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraserve.contract.adapter_layout import MODULES
+
+if TYPE_CHECKING:
+    from loraserve.adapter_store.demo import DemoAdapterSpec
+    from loraserve.adapter_store.server import BackgroundStore
 
 # name -> make_peft_adapter keyword arguments: several ranks and target subsets, rsLoRA,
 # rank_pattern / alpha_pattern, layers_to_transform.
@@ -36,7 +42,7 @@ ADAPTER_SPECS: dict[str, dict] = {
 
 @dataclass
 class StoreHandle:
-    store: object  # adapter_store.server.BackgroundStore
+    store: BackgroundStore
     address: str
     data_dir: Path
     port: int
@@ -79,3 +85,17 @@ def start_lora_store(
     )
     bg = BackgroundStore(config)
     return StoreHandle(bg, bg.address, data_dir, bg.port)
+
+
+def start_demo_store(model_dir: Path, specs: Sequence[DemoAdapterSpec], directory: Path) -> BackgroundStore:
+    """The demo adapters `specs` written under directory/adapters, a store on port 0 with its data in
+    directory/store, and every adapter registered under its name."""
+    from loraserve.adapter_store.demo import write_demo_adapters
+    from loraserve.clients.store_client import StoreClient
+
+    write_demo_adapters(directory / "adapters", model_dir, specs)
+    store = start_lora_store(model_dir, directory / "adapters", directory / "store").store
+    with StoreClient(store.address) as client:
+        for spec in specs:
+            client.register(spec.name, spec.name)
+    return store

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from loraserve.clients.router import discover_workers
-from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.server import BackgroundWorker
+from tests.helpers.workers import worker_config
 
 
 @pytest.mark.redis
@@ -17,18 +17,16 @@ def test_port_zero_workers_are_distinct_in_redis(tiny_model_dir, lora_store, red
     prefix = redis_prefix
     workers = [
         BackgroundWorker(
-            WorkerConfig(
-                model=str(tiny_model_dir),
-                port=0,
-                device="cpu",
-                dtype="float32",
+            worker_config(
+                tiny_model_dir,
+                max_num_batched_tokens=512,
+                max_queue_size=256,
                 store_address=lora_store.address,
                 redis_url=redis_url,
                 redis_prefix=prefix,
                 num_kv_blocks=64,
                 max_num_seqs=4,
                 adapter_poll_interval_s=0.1,
-                log_level="WARNING",
             )
         )
         for _ in range(2)

@@ -3,6 +3,7 @@ stop conditions, and KV blocks returning to the pool."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,32 @@ def test_text_stream_holds_back_possible_stop_prefix(tok) -> None:
         assert "fox" not in released  # never released while it may begin the stop string
     released += ts.take(final=True)
     assert released == "The quick brown "
+
+
+def test_text_stream_releases_the_decoded_text_up_to_a_stop(tok) -> None:
+    """Random ids (special tokens, characters split across byte-level tokens): what the stream
+    releases, chunk by chunk, adds up to the tokenizer's decode of all of them, cut at a stop string."""
+    rng = random.Random(0)
+    vocab = tok.get_vocab_size()
+    text = "naïve café, 日本語 🙂 and the quick brown fox"
+    for trial in range(300):
+        ids = (
+            tok.encode(text).ids if trial % 2 else [rng.randrange(vocab) for _ in range(rng.randrange(1, 24))]
+        )
+        ids = ids[: rng.randrange(1, len(ids) + 1)]
+        full = tok.decode(ids, skip_special_tokens=True)
+        stop = full[(a := rng.randrange(len(full))) : a + 3] if full and trial % 3 == 0 else ""
+        stop = "" if "\ufffd" in stop else stop  # an unfinished character is released only at the end
+        ts = TextStream(tok, (stop,))
+        released = ""
+        for t in ids:
+            if ts.append(t):
+                break
+            chunk = ts.take(final=False)
+            assert "\ufffd" not in chunk or "\ufffd" in full
+            released += chunk
+        released += ts.take(final=True)
+        assert released == (full[: full.find(stop)] if stop else full), (ids, stop)
 
 
 def test_validation(tiny_model_dir: Path, tok) -> None:
