@@ -37,7 +37,9 @@ _HELP = {
     "s3_endpoint_url": "S3 endpoint URL (MinIO, moto); default from the AWS configuration",
     "s3_region": "S3 region; default from the AWS configuration",
     "s3_timeout_s": "S3 connect/read timeout in seconds",
-    "admin_token": "bearer token required by RegisterAdapter and DeleteAdapter",
+    "admin_token": "bearer token required by RegisterAdapter and DeleteAdapter (and accepted by the reads)",
+    "read_token": "bearer token required by FetchAdapter, GetAdapter and ListAdapters; workers present it "
+    "as --store-token (reads are open when unset)",
     "grace_period_s": "seconds running streams get to finish on SIGTERM",
 }
 
@@ -65,6 +67,7 @@ class StoreConfig:
     s3_region: str | None = None
     s3_timeout_s: float = 10.0
     admin_token: str | None = field(default=None, repr=False)
+    read_token: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
     tls_key: str | None = None
     metrics_port: int | None = None

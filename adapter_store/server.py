@@ -32,6 +32,13 @@ log = logging.getLogger("loraserve.store")
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name
 # the RPCs that change the registry; they need the admin token when one is configured
 ADMIN_METHODS = (f"/{SERVICE_NAME}/RegisterAdapter", f"/{SERVICE_NAME}/DeleteAdapter")
+# the RPCs that read adapters (weights included); they need the read token, or the admin token,
+# when a read token is configured
+READ_METHODS = (
+    f"/{SERVICE_NAME}/FetchAdapter",
+    f"/{SERVICE_NAME}/GetAdapter",
+    f"/{SERVICE_NAME}/ListAdapters",
+)
 # Replies: room for a 1 MiB chunk plus framing, and for large manifests. Requests are ids and
 # sources: 4 MiB bounds what a client can make the store parse.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 4 << 20)]
@@ -99,7 +106,13 @@ def create_server(config: StoreConfig) -> tuple[StoreServer, int]:
     )
     service = AdapterService(config, base_config, open_registry(config), resolver, metrics)
     interceptors = [
-        BearerTokenInterceptor({method: config.admin_token for method in ADMIN_METHODS}),
+        BearerTokenInterceptor(
+            {method: config.admin_token for method in ADMIN_METHODS}
+            | {
+                method: (config.read_token, config.admin_token) if config.read_token else None
+                for method in READ_METHODS
+            }
+        ),
         ErrorStatusInterceptor(log),
     ]
     server = grpc_server(interceptors, GRPC_OPTIONS)

@@ -39,7 +39,8 @@ def _connection_args(parser: argparse.ArgumentParser, suppress: bool = False) ->
     parser.add_argument(
         "--token",
         default=default(os.environ.get("LORASERVE_ADMIN_TOKEN")),
-        help="admin bearer token (env LORASERVE_ADMIN_TOKEN)",
+        help="bearer token: the store's admin token (register, delete, and every read), or its read "
+        "token for list and show (env LORASERVE_ADMIN_TOKEN)",
     )
     parser.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
     parser.add_argument(

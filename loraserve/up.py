@@ -11,6 +11,7 @@ Each service is started by its own `start_*` function returning what it runs and
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -99,14 +100,27 @@ def start_worker(
     return BackgroundWorker(config)
 
 
-def start_gateway(store_address: str, worker_address: str, host: str = "127.0.0.1", port: int = 8000):
+def start_gateway(
+    store_address: str,
+    worker_address: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    store_token: str | None = None,
+):
     """The OpenAI-compatible API in front of the worker, listing the store's adapters, in a
     background thread; `.url`, `.stop()`."""
     from loraserve.gateway.config import GatewayConfig
     from loraserve.gateway.server import BackgroundGateway
 
     return BackgroundGateway(
-        GatewayConfig(host=host, port=port, worker=worker_address, store=store_address, log_level="WARNING")
+        GatewayConfig(
+            host=host,
+            port=port,
+            worker=worker_address,
+            store=store_address,
+            store_token=store_token,
+            log_level="WARNING",
+        )
     )
 
 
@@ -122,9 +136,9 @@ def sample_generations(
     return out
 
 
-def register_demo_adapters(store_address: str, default: EmbeddedDefault) -> list:
+def register_demo_adapters(store_address: str, default: EmbeddedDefault, token: str | None = None) -> list:
     """Register (or re-register, idempotently) every demo adapter; returns their AdapterInfo."""
-    with StoreClient(store_address) as client:
+    with StoreClient(store_address, token=token) as client:
         return [client.register(name, name, overwrite=True) for name in default.adapters]
 
 
@@ -145,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--openai-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0 picks a free one)"
     )
+    parser.add_argument(
+        "--read-token",
+        default=os.environ.get("LORASERVE_READ_TOKEN"),
+        help="the store's read token, presented by the worker and the gateway (default: reads open; "
+        "env LORASERVE_READ_TOKEN)",
+    )
     parser.add_argument("--once", action="store_true", help="exit after setting up instead of serving")
     args = parser.parse_args(list(argv or []))
     try:
@@ -160,20 +180,22 @@ def _up(args: argparse.Namespace) -> int:
         f"embedded default in {default.data_dir}: model {default.model_dir.name}, "
         f"{len(DEMO_ADAPTERS)} demo adapters"
     )
-    store = start_store(default, args.host, args.store_port)
+    store = start_store(default, args.host, args.store_port, read_token=args.read_token)
     worker = gateway = None
     try:
         print(f"adapter store on {store.address}")
-        infos = register_demo_adapters(store.address, default)
+        infos = register_demo_adapters(store.address, default, args.read_token)
         print(format_table(infos))
-        worker = start_worker(default, store.address, args.host, args.worker_port)
+        worker = start_worker(
+            default, store.address, args.host, args.worker_port, store_token=args.read_token
+        )
         print(f"inference worker on {worker.address}")
         with WorkerClient(worker.address, timeout=30) as w:
             base_model = w.info().model
         print(f"\nsample generations (greedy, 16 tokens) for {SAMPLE_PROMPT!r}:")
         for name, text in sample_generations(worker.address, list(default.adapters)):
             print(f"  {name:<14} -> {text!r}")
-        gateway = start_gateway(store.address, worker.address, args.host, args.openai_port)
+        gateway = start_gateway(store.address, worker.address, args.host, args.openai_port, args.read_token)
         adapter = next(iter(default.adapters))
         print(f"OpenAI-compatible API on {gateway.url}/v1 (model: an adapter id, or {base_model!r})")
         print(f"\ntry: loraserve generate --worker {worker.address} --adapter {adapter} 'Hello world'")

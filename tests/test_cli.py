@@ -69,6 +69,8 @@ def test_up_embedded_default(tmp_path: Path, capsys) -> None:
         "0",
         "--openai-port",
         "0",
+        "--read-token",  # the store guards its reads: the worker and the gateway must present it
+        "t0ken",
         "--once",
     ]
     assert up_main(argv) == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -41,12 +41,17 @@ def _behavior_of(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """`tokens` maps full method names (/pkg.Service/Method) to the token they require; methods
-    not named, or named with an empty token, are open. No `authorization` metadata ->
-    UNAUTHENTICATED; another token -> PERMISSION_DENIED (compared in constant time)."""
+    """`tokens` maps full method names (/pkg.Service/Method) to the token they require, or to
+    the tokens any one of which they accept; methods not named, or named with no non-empty
+    token, are open. No `authorization` metadata -> UNAUTHENTICATED; another token ->
+    PERMISSION_DENIED (compared in constant time)."""
 
-    def __init__(self, tokens: Mapping[str, str | None]) -> None:
-        self._tokens = {method: token for method, token in tokens.items() if token}
+    def __init__(self, tokens: Mapping[str, str | Sequence[str | None] | None]) -> None:
+        accepted = {
+            method: tuple(t for t in ((token,) if isinstance(token, str) or token is None else token) if t)
+            for method, token in tokens.items()
+        }
+        self._tokens = {method: ts for method, ts in accepted.items() if ts}
 
     async def intercept_service(
         self, continuation: Continuation, details: grpc.HandlerCallDetails

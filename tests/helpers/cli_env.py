@@ -57,12 +57,7 @@ def flags_used(argv: list[str]) -> list[str]:
 
 # Variables the deploy files set ahead of the code that reads them: (command, variable) -> what it is.
 # An entry must go once the command accepts the variable: env_problems() then reports it.
-AWAITED: dict[tuple[str, str], str] = {
-    (
-        "store",
-        "LORASERVE_READ_TOKEN",
-    ): "the token the store will require of FetchAdapter, GetAdapter, ListAdapters",
-}
+AWAITED: dict[tuple[str, str], str] = {}
 
 
 def env_problems(command: str, variables: list[str], where: str) -> list[str]:
