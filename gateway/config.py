@@ -28,6 +28,7 @@ _HELP = {
     "max_n": "largest n, completions per request",
     "max_stop": "most stop strings per request",
     "request_timeout_s": "deadline of one generation in seconds",
+    "keep_alive_s": "seconds an idle client connection is kept open for its next request",
     "route_refresh_s": "seconds between reads of the fleet's residency and live workers",
     "log_level": "logging level",
 }
@@ -48,8 +49,9 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     max_prompt_chars: int = 200_000
     max_n: int = 16
-    max_stop: int = 8
+    max_stop: int = 16
     request_timeout_s: float = 600.0
+    keep_alive_s: float = 75.0
     route_refresh_s: float = 2.0
     log_level: str = "INFO"
 
@@ -62,7 +64,7 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_prompt_chars", "max_n", "max_stop"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
-        for name in ("request_timeout_s", "route_refresh_s"):
+        for name in ("request_timeout_s", "route_refresh_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
         if problems:

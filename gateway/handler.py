@@ -109,7 +109,7 @@ class RequestHandler:
             watch.cancel()
             if not task.done():
                 task.cancel()  # cancels the worker's call: the worker frees the sequence
-        if task.cancelled():
+        if not task.done() or task.cancelled():
             raise ClientGone()
         return task.result()
 
@@ -141,11 +141,13 @@ class RequestHandler:
                     yield _sse(chunk)
                 delta: Delta | None = first
                 while delta is not None:
+                    arrived = time.perf_counter()
                     self.metrics.tokens.inc(len(delta.token_ids))
                     for chunk in chunks.delta(delta):  # type: ignore[attr-defined]
-                        yield _sse(chunk)
+                        yield _sse(chunk)  # resumes once the HTTP server took the bytes
                     if delta.usage is not None and chunks.plan.include_usage:
                         yield _sse(chunks.usage(delta.usage))
+                    self.metrics.relay.observe(time.perf_counter() - arrived)
                     delta = await anext(deltas, None)
             yield DONE
         except grpc.RpcError as exc:  # after the first token: the status line is sent already

@@ -29,6 +29,29 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.relay = Histogram(
+            "loraserve_gateway_delta_relay_seconds",
+            "A worker delta's arrival to its server-sent event handed to the HTTP connection (what the "
+            "gateway adds to each streamed token)",
+            buckets=(
+                1e-5,
+                2.5e-5,
+                5e-5,
+                1e-4,
+                2.5e-4,
+                5e-4,
+                1e-3,
+                2.5e-3,
+                5e-3,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                1,
+            ),
+            registry=r,
+        )
         self.tokens = Counter(
             "loraserve_gateway_completion_tokens", "Tokens generated for the gateway's clients", registry=r
         )

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TOP_LOGPROBS = 20  # the worker's limit, as OpenAI's
-MAX_STOP_CHARS = 256
+MAX_STOP_CHARS = 1024  # as the worker
 MAX_MESSAGES = 1024
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]

@@ -34,6 +34,9 @@ def make_server(config: GatewayConfig) -> uvicorn.Server:
             log_level=config.log_level.lower(),
             access_log=config.log_level.upper() == "DEBUG",
             timeout_graceful_shutdown=5,
+            # clients keep pools of connections; uvicorn's 5 s default closes them under their
+            # requests (75 s is nginx's default)
+            timeout_keep_alive=int(config.keep_alive_s),
             server_header=False,
             log_config=None,  # the JSON logs of configure_logging
         )

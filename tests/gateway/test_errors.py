@@ -37,7 +37,7 @@ def test_unknown_model_is_404(client) -> None:
     [
         (dict(temperature=5.0), "temperature"),
         (dict(n=100), "n: 100 is over this server's limit of 16"),
-        (dict(stop=[f"s{i}" for i in range(9)]), "9 stop strings"),
+        (dict(stop=[f"s{i}" for i in range(17)]), "17 stop strings"),
         (dict(extra_body={"logit_bias": {"5": 1.0}}), "logit_bias"),
         (dict(top_p=0.0), "top_p"),
         (dict(max_tokens=100_000), "max_model_len"),  # the worker's own check, INVALID_ARGUMENT

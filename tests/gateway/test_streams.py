@@ -98,6 +98,8 @@ def test_stream_disconnect_frees_the_sequence(client, gateway, gateway_worker) -
 def test_whole_response_disconnect_frees_the_sequence(gateway, gateway_worker) -> None:
     engine = gateway_worker.engine
     before = _cancelled(gateway_worker, "Generate")
+    gone = gateway.app.state.metrics.disconnects
+    gone_before = gone._value.get()
     body = {"model": ADAPTERS[0], "prompt": "Hello", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
@@ -108,3 +110,4 @@ def test_whole_response_disconnect_frees_the_sequence(gateway, gateway_worker) -
         )
     _wait_for(lambda: _cancelled(gateway_worker, "Generate") == before + 1)
     _wait_for(lambda: engine.num_running == 0 and engine.num_waiting == 0)
+    _wait_for(lambda: gone._value.get() == gone_before + 1)  # seen as a disconnect, not an error
