@@ -24,7 +24,8 @@ _HELP = {
     "base_model": "base model directory holding config.json (or the config.json itself)",
     "base_model_name": "name adapters must declare as base_model_name_or_path (default: the config's)",
     "check_base_model": "refuse adapters whose base_model_name_or_path names another model",
-    "serving_dtype": "dtype of the optimized tensors",
+    "serving_dtype": "dtype of the optimized tensors: the workers' --dtype (a worker converts another with a "
+    "warning, and refuses one into float16)",
     "max_lora_rank": "largest LoRA rank accepted",
     "max_adapter_bytes": "largest adapter_model.safetensors accepted, in bytes",
     "max_tensors": "largest number of tensors in one checkpoint",

@@ -20,7 +20,7 @@ _HELP = {
     **SERVER_HELP,
     "model": "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)",
     "device": "cpu, cuda, cuda:N or auto (cuda when available)",
-    "dtype": "compute dtype; auto = bfloat16 on CUDA, float32 on CPU",
+    "dtype": "compute dtype; auto = bfloat16 on CUDA, float32 on CPU; the store's --serving-dtype",
     "max_num_seqs": "largest running batch",
     "max_model_len": "largest prompt plus completion (0 = the model's max_position_embeddings, at most 8192)",
     "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",

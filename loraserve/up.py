@@ -56,7 +56,8 @@ def prepare_embedded_default(data_dir: str | Path) -> EmbeddedDefault:
 
 
 def serving_dtype() -> str:
-    """bf16 on a GPU, fp32 on the CPU: the store optimizes adapters into what the worker computes in."""
+    """bf16 on a GPU, fp32 on the CPU: the store's --serving-dtype and the worker's --dtype both,
+    so adapters arrive in the dtype the worker computes in."""
     import torch
 
     return "bfloat16" if torch.cuda.is_available() else "float32"
@@ -90,6 +91,7 @@ def start_worker(
     from loraserve.inference_worker.config import WorkerConfig
     from loraserve.inference_worker.server import BackgroundWorker
 
+    overrides.setdefault("dtype", serving_dtype())  # the dtype the store optimizes adapters into
     config = WorkerConfig(
         model=str(default.model_dir),
         host=host,

@@ -13,10 +13,16 @@ device-side strided copies — one per (group, A|B) for the usual adapter whose 
 a fixed stride across consecutive layers, since buffers of one group are stacked over layers —
 all on the caller's current stream, so the step that first reads the slot is ordered after it.
 Entries past a slot's rank are never read by the kernels, so nothing is cleared on eviction.
+
+A payload should arrive in the slots' dtype (the store's --serving-dtype equal to the worker's
+--dtype). Otherwise the copy converts it, explicitly and with a warning naming both dtypes, where
+it cannot overflow: from float32 (the store folds the scale in float32, so this rounds exactly as
+the store would have) or into float32 / bfloat16. Into float16 from a wider range it is refused.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +31,7 @@ from loraserve.contract.adapter_layout import GROUPS, group_dims
 from loraserve.contract.payload import PayloadTensor
 from loraserve.inference_worker.lora.payload import AdapterPayload, parse_name, torch_dtype
 
+log = logging.getLogger(__name__)
 GROUP_INDEX = {g.name: i for i, g in enumerate(GROUPS)}
 
 
@@ -135,6 +142,7 @@ class LoRASlots:
             if which == "lora_a":
                 ranks[layer, GROUP_INDEX[group]] = rank
             parsed.append((group, which, tuple(t.shape), layer, t))
+        self._check_dtypes(payload)
         runs: list[CopyRun] = []
         parsed.sort(key=lambda p: (p[0], p[1], p[2], str(p[4].dtype), p[3]))
         for group, which, shape, layer, t in parsed:
@@ -161,6 +169,32 @@ class LoRASlots:
                 runs.append(CopyRun(group, which, layer, 1, shape, torch_dtype(t), t.offset, 0))
         payload.copy_plan = [runs, ranks]
         return runs, ranks
+
+    def _check_dtypes(self, payload: AdapterPayload) -> None:
+        """Refuse a conversion that could overflow; warn (once per payload: plans are cached) of
+        any other."""
+        others = sorted(
+            {str(torch_dtype(t)).removeprefix("torch.") for t in payload.tensors} - {self._dtype_name}
+        )
+        if not others:
+            return
+        fix = f"set the store's --serving-dtype {self._dtype_name} (or this worker's --dtype {others[0]})"
+        if self.dtype == torch.float16:
+            raise SlotLoadError(
+                f"adapter {payload.adapter_id} was optimized as {', '.join(others)} but this worker computes "
+                f"in float16, which cannot hold its range; {fix}"
+            )
+        log.warning(
+            "adapter %s was optimized as %s; converting it to this worker's %s (%s)",
+            payload.adapter_id,
+            ", ".join(others),
+            self._dtype_name,
+            fix,
+        )
+
+    @property
+    def _dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
     def load(self, slot: int, payload: AdapterPayload) -> None:
         """Copy `payload` into `slot` (asynchronously on CUDA, on the current stream)."""
