@@ -1,0 +1,346 @@
+"""Many adapters under live traffic, measured through the services: a store process and worker
+processes over gRPC, driven by `loraserve bench`'s load generator.
+
+1. Data: a random Llama checkpoint (`--shape 1b`: Llama-3.2-1B's shape, bf16) and `--num-adapters`
+   distinct PEFT adapters (ranks 8 and 16 mixed, all seven modules) written to `--workdir`,
+   registered with a store whose cache, like the worker's CPU tier and GPU slots, is smaller than
+   the adapter set, so every tier is exercised.
+2. For each N of `--ns` (Zipf popularity over N adapters, same lengths): a warm-up, throughput at
+   saturation (a closed loop of 2 x max_num_seqs requests in flight), then Poisson arrivals at 50%
+   and 80% of that throughput: TTFT percentiles, overall and by the tier each request's adapter was
+   in when it arrived (gpu / cpu / store, as the worker reports it per request).
+3. Popularity prefetch (`--prefetch-duration`): two workers sharing Redis. The first serves
+   traffic alone while the second idles; then the router spreads the traffic over both ("both");
+   then the first goes away (a restart, a scale-in) and the second serves alone ("replaced").
+   Each time, the share of requests whose adapter was resident (GPU or CPU tier) on arrival, with
+   prefetch off and on.
+
+    python benchmarks/bench_serving.py --shape 1b --num-adapters 1000 --ns 5,100,1000 --json out.json
+    python benchmarks/bench_serving.py --shape tiny --device cpu --num-adapters 24 --ns 2,24 \\
+        --max-loras 2 --max-cpu-loras 8 --store-cache 4 --duration 2 --json smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import functools
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving_fleet import Fleet, Service, WorkerOptions, register_all, write_adapters, write_model
+
+from loraserve.clients.bench.runner import RunLimits, run_benchmark
+from loraserve.clients.bench.targets import RouterTarget, Sampling, Target, WorkerTarget
+from loraserve.clients.bench.workload import RequestStream, WorkloadSpec
+
+S_LORA_RATIO = 7.61 / 8.05  # S-LoRA's 1,000 / 5 adapters throughput (0.945)
+
+
+def length_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def resident_share(summary: dict) -> float | None:
+    """Requests whose adapter was in the GPU or CPU tier on arrival, over requests with an adapter."""
+    by_tier = summary.get("ttft_ms_by_tier") or {}
+    counts = {t: s["count"] for t, s in by_tier.items()}
+    total = sum(counts.values())
+    return round((counts.get("gpu", 0) + counts.get("cpu", 0)) / total, 4) if total else None
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.vocab = 0
+        self.results: dict[str, object] = {
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": device_name(args.device),
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
+            "s_lora_ratio": round(S_LORA_RATIO, 4),
+            "n": {},
+        }
+
+    def save(self) -> None:
+        if self.args.json:
+            Path(self.args.json).write_text(json.dumps(self.results, indent=2) + "\n")
+
+    def spec(self, ids: Sequence[str], rate: float | None, seed: int) -> WorkloadSpec:
+        a = self.args
+        return WorkloadSpec(
+            adapter_ids=tuple(ids),
+            popularity="zipf",
+            zipf_exponent=a.zipf,
+            prompt_len=a.prompt_len,
+            output_len=a.output_len,
+            vocab_size=self.vocab,
+            rate=rate,
+            seed=seed,
+        )
+
+    def load(
+        self,
+        make_target: Callable[[], Target],
+        ids: Sequence[str],
+        *,
+        rate: float | None,
+        duration: float,
+        seed: int,
+        metrics: Sequence[str] = (),
+    ) -> dict:
+        """One run: a closed loop of 2 x max_num_seqs in flight (rate None) or Poisson arrivals."""
+        in_flight = 2 * self.args.max_num_seqs
+        limits = (
+            RunLimits(duration_s=duration, concurrency=in_flight, open_loop=False)
+            if rate is None
+            else RunLimits(duration_s=duration)
+        )
+        stream = RequestStream(self.spec(ids, rate, seed))
+
+        async def go() -> dict:
+            target = make_target()  # its channels belong to this run's event loop
+            await target.start()
+            try:
+                got = await run_benchmark(
+                    target,
+                    stream,
+                    limits,
+                    metrics_urls=metrics,
+                    progress_interval_s=None,
+                    progress_out=io.StringIO(),
+                )
+            finally:
+                await target.close()
+            return got.summary
+
+        summary = asyncio.run(go())
+        summary["resident_share"] = resident_share(summary)
+        summary["offered_rate"] = rate
+        return summary
+
+    # ------------------------------------------------------------------ the N sweep
+    def sweep(self, worker: Service, names: list[str]) -> None:
+        a = self.args
+        table: dict = self.results["n"]  # type: ignore[assignment]
+        for i, n in enumerate(a.ns):
+            ids = names[:n]
+            row: dict[str, object] = {}
+
+            def target() -> Target:
+                return WorkerTarget(worker.address, Sampling(timeout_s=600))
+
+            # the first warm-up is longer: the worker's kernels compile for the shapes they meet
+            self.load(target, ids, rate=None, duration=a.first_warmup if i == 0 else a.warmup, seed=n)
+            sat = self.load(
+                target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address]
+            )
+            row["saturation"] = sat
+            throughput = float(sat["request_throughput"])
+            for share in (0.5, 0.8):
+                got = self.load(
+                    target, ids, rate=share * throughput, duration=a.duration, seed=20 + n,
+                    metrics=[worker.metrics_address],
+                )  # fmt: skip
+                row[f"load_{int(share * 100)}"] = got
+            table[str(n)] = row
+            self.save()
+            print(line_for(n, row), flush=True)
+        lo, hi = str(min(a.ns)), str(max(a.ns))
+        if lo != hi:
+            base = table[lo]["saturation"]["request_throughput"]
+            top = table[hi]["saturation"]["request_throughput"]
+            self.results["throughput_ratio"] = {
+                "n_high": int(hi),
+                "n_low": int(lo),
+                "ratio": round(top / base, 4),
+            }
+        self.save()
+
+    # ------------------------------------------------------------------ popularity prefetch
+    def prefetch(self, fleet: Fleet, model_dir: Path, store: str, names: list[str], redis_url: str) -> None:
+        a = self.args
+        ids = names[: max(a.ns)]
+        out: dict[str, object] = {}
+        variants = {"off": 0, "on": a.prefetch}
+        opts = {
+            v: WorkerOptions(
+                **{**self.worker_options().__dict__, "prefetch": p, "kv_cache_mb": a.kv_cache_mb // 2}
+            )
+            for v, p in variants.items()
+        }
+        started: dict[str, tuple[Service, Service]] = {}
+        for v in variants:  # all four start at once; each pair has its own Redis key prefix
+            extra = ["--redis-prefix", f"{a.redis_prefix}{v}:"]
+            first, second = (
+                fleet.start_worker(
+                    f"{v}-{k}",
+                    model_dir,
+                    store,
+                    WorkerOptions(**{**opts[v].__dict__, "extra": extra}),
+                    redis_url=redis_url,
+                    wait=False,
+                )  # fmt: skip
+                for k in ("first", "second")
+            )
+            started[v] = (first, second)
+        for pair in started.values():
+            for svc in pair:
+                fleet.wait_worker(svc)
+        for v, (first, second) in started.items():
+            # the first worker serves alone while the second idles (prefetching when on)
+            alone = [first.address]
+            both = [first.address, second.address]
+            self.load(
+                functools.partial(RouterTarget, alone, Sampling(timeout_s=600)),
+                ids,
+                rate=None,
+                duration=a.prefetch_warmup,
+                seed=7,
+            )
+            rate = a.prefetch_rate or 0.5 * self._saturation(ids)
+            got = self.load(
+                functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
+                ids, rate=rate, duration=a.prefetch_duration, seed=8,
+                metrics=[first.metrics_address, second.metrics_address],
+            )  # fmt: skip
+            # then the first worker goes away (a restart, a scale-in): the second serves alone
+            fleet.stop(first)
+            alone_second = self.load(
+                functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
+                ids, rate=rate, duration=a.prefetch_duration, seed=9, metrics=[second.metrics_address],
+            )  # fmt: skip
+            out[v] = {"both": got, "replaced": alone_second}
+            print(
+                f"prefetch {v}: resident share {got['resident_share']} on both workers, "
+                f"{alone_second['resident_share']} once the first is gone",
+                flush=True,
+            )
+            fleet.stop(second)
+            self.results["prefetch"] = out
+            self.save()
+
+    def _saturation(self, ids: Sequence[str]) -> float:
+        table: dict = self.results["n"]  # type: ignore[assignment]
+        row = table.get(str(len(ids))) or {}
+        return float(row.get("saturation", {}).get("request_throughput", 0.0)) or 1.0
+
+    def worker_options(self) -> WorkerOptions:
+        a = self.args
+        return WorkerOptions(
+            device=a.device,
+            dtype=a.dtype,
+            max_loras=a.max_loras,
+            max_cpu_loras=a.max_cpu_loras,
+            max_lora_rank=16,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_model_len=a.prompt_len[1] + a.output_len[1] + 16,
+            kv_cache_mb=a.kv_cache_mb,
+            lookahead=a.lookahead,
+            prefetch=0,
+            cuda_graphs=a.device != "cpu",
+        )
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "cpu"
+
+
+def line_for(n: int, row: dict) -> str:
+    sat, l80 = row["saturation"], row["load_80"]
+    tiers = l80.get("ttft_ms_by_tier") or {}
+    by_tier = "  ".join(f"{t} p99 {s['p99']} ({s['count']})" for t, s in tiers.items())
+    return (
+        f"N={n:5d}  saturation {sat['request_throughput']:.2f} req/s {sat['output_token_throughput']:.0f} tok/s"
+        f"  @80% TTFT p50 {l80['ttft_ms']['p50']} p99 {l80['ttft_ms']['p99']} ms  by tier: {by_tier}"
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="/tmp/loraserve-serving-bench", type=Path)
+    p.add_argument("--shape", choices=("1b", "tiny"), default="1b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-adapters", type=int, default=1000)
+    p.add_argument("--ns", default="5,100,1000", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--zipf", type=float, default=1.0)
+    p.add_argument("--prompt-len", type=length_range, default=(64, 256))
+    p.add_argument("--output-len", type=length_range, default=(32, 128))
+    p.add_argument("--max-loras", type=int, default=64)
+    p.add_argument("--max-cpu-loras", type=int, default=256)
+    p.add_argument("--store-cache", type=int, default=128, help="adapters the store keeps optimized")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-mb", type=int, default=8192)
+    p.add_argument("--lookahead", type=int, default=16)
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before each N's runs")
+    p.add_argument("--first-warmup", type=float, default=30.0, help="seconds of load before the first N's")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per measured run")
+    p.add_argument("--prefetch", type=int, default=32, help="adapters prefetched per round when on")
+    p.add_argument("--prefetch-duration", type=float, default=15.0, help="0 = skip the two-worker runs")
+    p.add_argument("--prefetch-warmup", type=float, default=10.0)
+    p.add_argument("--prefetch-rate", type=float, default=0.0, help="req/s (default: half of saturation)")
+    p.add_argument("--redis-url", default="", help="an existing Redis (else --redis-server is started)")
+    p.add_argument("--redis-server", default="redis-server", help="redis-server binary to start")
+    p.add_argument("--redis-prefix", default="loraserve-bench:")
+    p.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    p.add_argument("--json", default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if max(args.ns) > args.num_adapters:
+        raise SystemExit(f"--ns goes up to {max(args.ns)} but only {args.num_adapters} adapters are made")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args)
+    t0 = time.monotonic()
+    model_dir = write_model(args.workdir / f"model-{args.shape}", args.shape)
+    adapter_root = args.workdir / f"adapters-{args.shape}"
+    names = write_adapters(adapter_root, model_dir, args.num_adapters, args.processes)
+    print(f"data ready in {time.monotonic() - t0:.1f} s", flush=True)
+    fleet = Fleet(args.workdir)
+    try:
+        store = fleet.start_store(model_dir, adapter_root, cache_adapters=args.store_cache, dtype=args.dtype)
+        t1 = time.monotonic()
+        register_all(store.address, adapter_root, names)
+        print(f"{len(names)} adapters registered in {time.monotonic() - t1:.1f} s", flush=True)
+        worker = fleet.start_worker("worker", model_dir, store.address, bench.worker_options())
+        from loraserve.clients.worker_client import WorkerClient
+
+        with WorkerClient(worker.address, timeout=10) as c:
+            bench.vocab = int(c.info().vocab_size)
+        bench.sweep(worker, names)
+        fleet.stop(worker)
+        if args.prefetch_duration > 0:
+            redis_url = args.redis_url or fleet.start_redis(args.redis_server)[1]
+            bench.prefetch(fleet, model_dir, store.address, names, redis_url)
+    finally:
+        fleet.close()
+        bench.results["wall_s"] = round(time.monotonic() - t0, 1)
+        bench.save()
+    ratio = bench.results.get("throughput_ratio")
+    if ratio:
+        print(
+            f"throughput N={ratio['n_high']} / N={ratio['n_low']}: {ratio['ratio']} (S-LoRA {S_LORA_RATIO:.3f})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

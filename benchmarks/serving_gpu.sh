@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The serving benchmark (benchmarks/bench_serving.py) on a GPU machine: Llama-3.2-1B shape, 1,000
+# adapters, N = 5, 100, 1,000, then the two-worker prefetch runs. Results and logs go to $OUT
+# (default ./gpu-results): serving.json, serving.log, fleet.log (the services' last lines).
+#   bash benchmarks/serving_gpu.sh [bench_serving.py flags...]
+# WHEELS=dir installs the wheels there first (a machine without the gRPC packages);
+# REDIS_SERVER=path names the redis-server to start for the prefetch runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-results}"
+WORK="${WORK:-/tmp/loraserve-serving-bench}"
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1
+if [[ -n "${WHEELS:-}" ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 benchmarks/bench_serving.py --workdir "$WORK" --redis-server "${REDIS_SERVER:-redis-server}" \
+  --json "$OUT/serving.json" "$@" 2>&1 | tee "$OUT/serving.log"
+rc=${PIPESTATUS[0]}
+for f in "$WORK"/*.log; do echo "== $f"; tail -n 40 "$f"; done >"$OUT/fleet.log" 2>&1
+exit "$rc"
