@@ -36,6 +36,7 @@ class LocalWorker:
         poll_interval_s: float = 0.2,
         start_engine: bool = True,
         lookahead: int = 16,
+        prefetch: int = 8,  # popularity prefetch per coordination round (the worker's default)
         fetch_delay_s: float = 0.0,
     ) -> None:
         import asyncio
@@ -59,6 +60,7 @@ class LocalWorker:
             max_lora_rank=64,
             adapter_poll_interval_s=poll_interval_s,
             adapter_lookahead=lookahead,
+            adapter_prefetch=prefetch,
         )
         source = DelayedSource(store_source(config), fetch_delay_s) if fetch_delay_s else None
         worker = build_worker(config, source=source)  # what the worker's server builds, minus gRPC

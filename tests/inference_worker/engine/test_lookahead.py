@@ -26,8 +26,15 @@ def lookups(w: LocalWorker, result: str) -> float:
 
 @pytest.mark.parametrize("lookahead", [3, 0])
 def test_queued_adapter_is_in_a_slot_before_admission(tiny_model_dir, lora_store, lookahead):
+    # no popularity prefetch: it could bring the adapter in as well, whatever look-ahead does
     w = LocalWorker(
-        tiny_model_dir, lora_store.address, max_loras=2, max_cpu_loras=6, max_num_seqs=2, lookahead=lookahead
+        tiny_model_dir,
+        lora_store.address,
+        max_loras=2,
+        max_cpu_loras=6,
+        max_num_seqs=2,
+        lookahead=lookahead,
+        prefetch=0,
     )
     try:
         # the running set is full of long base requests: the adapter request must queue
