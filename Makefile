@@ -74,7 +74,7 @@ bench-store: install
 	$(PY) benchmarks/bench_store.py
 
 # GPU benchmarks (need CUDA): kernels, engine, multi-LoRA worker, sampler (benchmarks/gpu_run.sh
-# runs them after the GPU tests, in one go, logs under $OUT).
+# runs the GPU tests and these in steps that each fit a 10-minute slot, logs under $OUT).
 bench-gpu: install
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_engine.py

@@ -7,7 +7,8 @@ sampling, detokenization: what a served request pays). The roofline time of one 
 (weight bytes + KV bytes of all contexts) / device-to-device copy bandwidth, the bandwidth measured
 here with a large torch copy (read + write bytes / time).
 
-    python benchmarks/bench_engine.py [--models 1b,8b] [--batches 1,16,64,256] [--out results.md]
+    python benchmarks/bench_engine.py [--models llama-3.2-1b,llama-3-8b] [--batches 1,16,64,256]
+        [--batches-1b 1,64,256] [--batches-8b 1,64] [--out results.md]
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.model_runner import kv_bytes_per_block
@@ -54,6 +60,7 @@ SHAPES = {
 }
 PROMPT_LEN = 128
 STEPS = 32
+REPS = 5  # rounds of [STEPS engine steps; STEPS replays of the same step's graph], interleaved
 
 
 class _Tokenizer:
@@ -151,7 +158,7 @@ def bench_model(
                     f"{name}-{b}-{i}",
                     "",
                     ids,
-                    SamplingParams(max_tokens=STEPS + 8, ignore_eos=True),
+                    SamplingParams(max_tokens=REPS * STEPS + 8, ignore_eos=True),
                     outs[i].append,
                 )
             )
@@ -161,23 +168,25 @@ def bench_model(
             engine.step()
         torch.cuda.synchronize()
         ctx = [s.num_tokens for s in engine.scheduler.running]
-        t0 = time.perf_counter()
-        for _ in range(STEPS):
-            engine.step()
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - t0) / STEPS
-        # graph replay alone (no host work): the GPU time of one step
         bucket = next(k for k in sorted(engine.runner.graphs) if k >= b)
         graph = engine.runner.graphs[bucket]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(STEPS):
-            graph.replay()
-        torch.cuda.synchronize()
-        replay_s = (time.perf_counter() - t0) / STEPS
+        step_times, replay_times = [], []
+        for _ in range(REPS):
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                engine.step()
+            torch.cuda.synchronize()
+            step_times.append((time.perf_counter() - t0) / STEPS)
+            # graph replay alone (no host work): the GPU time of one step
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                graph.replay()
+            torch.cuda.synchronize()
+            replay_times.append((time.perf_counter() - t0) / STEPS)
+        step_s, replay_s = statistics.median(step_times), statistics.median(replay_times)
         if profile and b == 1:
             print_kernel_profile(graph, name)
-        kv_bytes = sum(c + STEPS // 2 for c in ctx) * kv_per_token
+        kv_bytes = sum(c + REPS * STEPS // 2 for c in ctx) * kv_per_token
         roof_s = (weight_bytes + kv_bytes) / bw
         rows.append(
             dict(
@@ -185,7 +194,10 @@ def bench_model(
                 batch=b,
                 tok_s=b / step_s,
                 step_ms=step_s * 1e3,
+                step_ms_range=(min(step_times) * 1e3, max(step_times) * 1e3),
                 replay_ms=replay_s * 1e3,
+                replay_ms_range=(min(replay_times) * 1e3, max(replay_times) * 1e3),
+                engine_over_replay=step_s / replay_s,
                 roof_ms=roof_s * 1e3,
                 ratio=step_s / roof_s,
                 replay_ratio=replay_s / roof_s,
@@ -208,6 +220,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama-3.2-1b,llama-3-8b")
     ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--batches-1b", default=None, help="batches of the 1B shape (default: --batches)")
+    ap.add_argument("--batches-8b", default=None, help="batches of the 8B shape (default: --batches)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="print a per-kernel profile of batch-1 steps")
     args = ap.parse_args()
@@ -217,19 +231,24 @@ def main() -> None:
     print(f"{gpu}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     for name in args.models.split(","):
-        rows += bench_model(name, [int(b) for b in args.batches.split(",")], bw, device, args.profile)
+        own = args.batches_1b if "1b" in name else args.batches_8b
+        batches = [int(b) for b in (own or args.batches).split(",")]
+        rows += bench_model(name, batches, bw, device, args.profile)
     lines = [
         f"GPU: {gpu}; torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"Measured device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write).",
-        f"Random bf16 weights, prompts of {PROMPT_LEN} tokens, {STEPS} timed decode steps, CUDA graphs on.",
+        f"Random bf16 weights, prompts of {PROMPT_LEN} tokens, CUDA graphs on; {REPS} interleaved rounds of "
+        f"{STEPS} engine steps and {STEPS} graph replays: medians (min-max).",
         "",
-        "| model | batch | decode tok/s | step ms (engine) | step ms (graph replay) | roofline ms | "
-        "engine / roofline | replay / roofline | weights GB | KV read GB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | batch | decode tok/s | step ms (engine) | step ms (graph replay) | engine / replay | "
+        "roofline ms | engine / roofline | replay / roofline | weights GB | KV read GB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | {r['replay_ms']:.2f} | "
+            f"| {r['model']} | {r['batch']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} "
+            f"({r['step_ms_range'][0]:.2f}-{r['step_ms_range'][1]:.2f}) | {r['replay_ms']:.2f} "
+            f"({r['replay_ms_range'][0]:.2f}-{r['replay_ms_range'][1]:.2f}) | {r['engine_over_replay']:.2f}x | "
             f"{r['roof_ms']:.2f} | {r['ratio']:.2f}x | {r['replay_ratio']:.2f}x | {r['weights_gb']:.2f} | "
             f"{r['kv_gb']:.3f} |"
         )

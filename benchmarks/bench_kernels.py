@@ -93,13 +93,27 @@ SWEEP_CONFIGS = (
     Config(2048, 1, "16"),
     Config(8192, 1, "64"),
 )
-# Launch options (kernels.LaunchOptions fields) tried by --sweep, one change from the defaults at a time.
-SWEEP_VARIANTS: tuple[dict[str, bool], ...] = (
-    {},
-    {"pdl": True},
-    {"expand_preload": True},
-    {"b_vector_loads": False},
+# the decode step at 1 to 64 adapters and the prefill against cuBLAS: the configurations the
+# decode-overhead targets name
+DECODE_PREFILL = (
+    Config(64, 1, "16"),
+    Config(64, 8, "16"),
+    Config(64, 64, "16"),
+    Config(64, 64, "8/64"),
+    Config(2048, 1, "16"),
+    Config(8192, 1, "16"),
 )
+TABLES = {"all": CONFIGS, "quick": QUICK, "decode-prefill": DECODE_PREFILL}
+# Launch options (kernels.LaunchOptions fields) tried by --sweep, one change from the defaults at a
+# time; each variant runs SWEEP_ROUNDS times, interleaved, so the spread between rounds shows noise.
+SWEEP_VARIANTS: tuple[dict[str, bool], ...] = (
+    {"pdl": False},
+    {},
+    {"pdl": True, "expand_preload": True},
+    {"pdl": True, "expand_preload": False},
+)
+MORE_VARIANTS: tuple[dict[str, bool], ...] = ({"expand_preload": True}, {"b_vector_loads": False})
+SWEEP_ROUNDS = 2
 BREAKDOWN_CONFIGS = (Config(64, 1, "16"), Config(64, 64, "16"), Config(64, 64, "64"))
 
 
@@ -273,29 +287,42 @@ def run(
     return rows
 
 
-def sweep(bandwidth: float) -> tuple[list[dict], LaunchOptions]:
-    """Rows of every variant over SWEEP_CONFIGS, and the options of the fastest variant."""
+def sweep(
+    bandwidth: float, configs: tuple[Config, ...], variants: tuple[dict[str, bool], ...]
+) -> tuple[list[dict], LaunchOptions]:
+    """Rows of every variant over `configs`, SWEEP_ROUNDS rounds interleaved, and the options of
+    the fastest variant (lowest geometric mean of its per-configuration medians)."""
     results = []
-    for variant in SWEEP_VARIANTS:
+    tried = []
+    for variant in variants:
         options = LaunchOptions.for_device("cuda", **variant)
-        if dataclasses.asdict(options) != {**dataclasses.asdict(LaunchOptions()), **variant}:
+        if any(getattr(options, k) != v for k, v in variant.items()):
             print(f"variant {json.dumps(variant)} is not supported here, skipped")
-            continue
-        for row in run(SWEEP_CONFIGS, bandwidth, with_reference=False, with_cublas=False, options=options):
-            results.append({"variant": json.dumps(variant), **row})
-    tried = [v for v in SWEEP_VARIANTS if any(r["variant"] == json.dumps(v) for r in results)]
+        else:
+            tried.append(variant)
+    for round_ in range(SWEEP_ROUNDS):
+        for variant in tried:
+            options = LaunchOptions.for_device("cuda", **variant)
+            for row in run(configs, bandwidth, with_reference=False, with_cublas=False, options=options):
+                results.append({"variant": json.dumps(variant), "round": round_, **row})
 
-    # Keep the variant with the lowest geometric mean over the sweep configurations.
-    def score(variant: dict[str, int]) -> float:
-        ms = [r["ms"] for r in results if r["variant"] == json.dumps(variant)]
-        return statistics.geometric_mean(ms)
+    def ms_of(variant: dict[str, bool], config: Config) -> list[float]:
+        key = json.dumps(variant)
+        return [r["ms"] for r in results if r["variant"] == key and r["config"] == config.label]
+
+    def score(variant: dict[str, bool]) -> float:
+        return statistics.geometric_mean([statistics.median(ms_of(variant, c)) for c in configs])
 
     best = min(tried, key=score)
-    print(f"kept variant {json.dumps(best)} for the full table")
-    print("| variant | " + " | ".join(c.label for c in SWEEP_CONFIGS) + " |")
+    print(f"kept variant {json.dumps(best)} for the table")
+    print("| variant (median of rounds; min-max) | " + " | ".join(c.label for c in configs) + " | geomean |")
+    print("|---|" + "---|" * (len(configs) + 1))
     for variant in tried:
-        ms = [r["ms"] for r in results if r["variant"] == json.dumps(variant)]
-        print(f"| {json.dumps(variant)} | " + " | ".join(f"{m:.3f}" for m in ms) + " |")
+        cells = []
+        for c in configs:
+            ms = ms_of(variant, c)
+            cells.append(f"{statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f})")
+        print(f"| {json.dumps(variant)} | " + " | ".join(cells) + f" | {score(variant):.3f} |")
     return results, LaunchOptions.for_device("cuda", **best)
 
 
@@ -405,6 +432,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a subset of the configurations")
     parser.add_argument("--no-reference", action="store_true", help="skip the eager torch reference")
     parser.add_argument("--sweep", action="store_true", help="first try the launch tunables on a few configs")
+    parser.add_argument(
+        "--all-variants", action="store_true", help="sweep the preload and B-load variants too"
+    )
+    parser.add_argument(
+        "--table-configs", choices=sorted(TABLES), default="all", help="configurations of the table"
+    )
     parser.add_argument("--breakdown", action="store_true", help="time prepare/shrink/expand apart")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the full results")
     args = parser.parse_args(argv)
@@ -418,12 +451,18 @@ def main(argv: list[str] | None = None) -> None:
         (out / "kernels_breakdown.json").write_text(json.dumps(breakdown(bandwidth)))
     options = LaunchOptions.for_device("cuda")
     if args.sweep:
-        swept, options = sweep(bandwidth)
+        variants = SWEEP_VARIANTS + (MORE_VARIANTS if args.all_variants else ())
+        configs = DECODE_PREFILL if args.table_configs == "decode-prefill" else SWEEP_CONFIGS
+        swept, options = sweep(bandwidth, configs, variants)
         (out / "kernels_sweep.json").write_text(json.dumps(swept))
-    rows = run(QUICK if args.quick else CONFIGS, bandwidth, not args.no_reference, options=options)
+    table_configs = QUICK if args.quick else TABLES[args.table_configs]
+    rows = run(table_configs, bandwidth, not args.no_reference, options=options)
     text = table(rows, gpu, bandwidth)
     (out / "kernels_bench.md").write_text(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{text}\n")
-    (out / "kernels_bench.json").write_text(json.dumps({"gpu": gpu, "bandwidth": bandwidth, "rows": rows}))
+    (out / "kernels_bench.json").write_text(
+        json.dumps({"gpu": gpu, "bandwidth": bandwidth, "options": dataclasses.asdict(options), "rows": rows})
+    )
+    print(f"launch options of the table: {dataclasses.asdict(options)}")
     print(text)
 
 

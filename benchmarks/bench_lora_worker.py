@@ -4,18 +4,21 @@ For a Llama-3.2-1B- and a Llama-3-8B-shaped random bf16 model, rank-16 adapters 
 modules, optimized in-process by the store's optimizer and loaded through the worker's own adapter
 admin path from an in-memory source (no gRPC, no store server):
   - decode tokens/s with 0 (base rows only), 1, 8, 32 and 64 distinct adapters in a batch of 64,
-    against the same engine with no adapters (base);
-  - transformers + peft on the same GPU (`generate(adapter_names=...)`, one adapter per row);
+    against an engine with no adapters (base) over the same model, in one process: every case once
+    per round, rounds repeated with the order rotated, medians and spread reported; the LoRA engine
+    once with the default launch options and once with programmatic dependent launch flipped;
+  - with --peft, transformers + peft on the same GPU (`generate(adapter_names=...)`, one adapter per row);
   - activation of an 8B-shaped adapter (~84 MB) from pinned CPU into a GPU slot, against a plain
     host-to-device copy of the same bytes.
 
-    python benchmarks/bench_lora_worker.py [--shapes 1b,8b] [--json out.json]
+    python benchmarks/bench_lora_worker.py [--shapes 1b,8b] [--adapters 0,1,8,32,64] [--reps 7] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import gc
 import json
@@ -40,6 +43,8 @@ from loraserve.inference_worker.engine.sequence import SamplingParams
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.model.llama import LlamaModel
+from loraserve.kernels import LaunchOptions
+from loraserve.kernels.launch_options import pdl_supported
 from tests.helpers.adapter_sources import AdaptersRunning, PayloadSource
 
 SHAPES = {
@@ -79,7 +84,7 @@ SHAPES = {
     ),
 }
 RANK, ALPHA = 16, 32.0
-BATCH, PROMPT_LEN, DECODE_TOKENS = 64, 16, 64
+BATCH, PROMPT_LEN, DECODE_TOKENS = 64, 16, 128
 
 
 def sync() -> None:
@@ -260,19 +265,67 @@ def peft_throughput(cfg: dict, n_adapters: int, batch: int, new_tokens: int) -> 
     return tps
 
 
-def bench_shape(shape: str, results: dict, peft_cases: list[tuple[int, int]], peft_tokens: int) -> None:
+def bind(engine: LLMEngine) -> None:
+    """Points the model's attention layers at `engine`'s KV cache: several engines share one model
+    here, and eager (prefill) steps read the cache the layers hold; replayed graphs keep their own."""
+    kv = engine.runner.kv_cache
+    for i, layer in enumerate(engine.runner.model.layers):
+        layer.self_attn.k_cache, layer.self_attn.v_cache = kv[i, 0], kv[i, 1]
+
+
+def set_launch_options(model: LlamaModel, options: LaunchOptions) -> None:
+    for module in model.grouped_linears().values():
+        if module.lora is not None:
+            module.lora.options = options
+
+
+def interleaved_decode(
+    engines: dict[str, LLMEngine], cases: list[tuple[str, str, int]], vocab: int, reps: int
+) -> dict[str, list[float]]:
+    """tok/s of every case (label, engine name, distinct adapters in a batch of 64), `reps` rounds;
+    each round runs every case once, the order rotated by one case per round, so slow drifts
+    (clocks, temperature) spread over all cases instead of biasing the ones run last."""
+    tps: dict[str, list[float]] = {label: [] for label, _, _ in cases}
+    for rep in range(reps):
+        k = rep % len(cases)
+        for label, name, n in cases[k:] + cases[:k]:
+            bind(engines[name])
+            tps[label].append(decode_run(engines[name], distinct_ids(n, BATCH), vocab))
+    return tps
+
+
+def summarize(tps: dict[str, list[float]], base: str) -> dict[str, dict[str, float]]:
+    """Median and spread of tok/s per case, and % of base as the median of per-round ratios (each
+    round's case against the same round's base run)."""
+    out = {}
+    for label, values in tps.items():
+        ratios = [v / b for v, b in zip(values, tps[base], strict=True)]
+        out[label] = {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "pct_of_base": 100 * statistics.median(ratios),
+            "pct_min": 100 * min(ratios),
+            "pct_max": 100 * max(ratios),
+        }
+    return out
+
+
+def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     cfg = hf_config(shape)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    counts = [int(n) for n in args.adapters.split(",")]
+    num_payloads = max(max(counts), 5)
     t0 = time.perf_counter()
     model = LlamaModel(ModelConfig.from_dict(cfg, f"random-{shape}"), torch.bfloat16, dev)
     model.init_random()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        payloads = list(pool.map(lambda i: make_payload(cfg, i), range(64)))
+        payloads = list(pool.map(lambda i: make_payload(cfg, i), range(num_payloads)))
     config = WorkerConfig(
         model=f"random-{shape}",
-        max_loras=64,
+        max_loras=num_payloads,
         max_lora_rank=RANK,
-        max_cpu_loras=64,
+        max_cpu_loras=num_payloads,
         max_cpu_lora_mb=64 << 10,
         max_num_seqs=BATCH,
         max_num_batched_tokens=BATCH * PROMPT_LEN,
@@ -281,23 +334,36 @@ def bench_shape(shape: str, results: dict, peft_cases: list[tuple[int, int]], pe
     running = AdaptersRunning(adapters)  # loads through the worker's own admin path
     running.load(p.adapter_id for p in payloads)
     print(
-        f"[{shape}] model + 64 adapters ({payloads[0].nbytes / 1e6:.1f} MB each) in "
+        f"[{shape}] model + {num_payloads} adapters ({payloads[0].nbytes / 1e6:.1f} MB each) in "
         f"{time.perf_counter() - t0:.1f}s",
         flush=True,
     )
     r: dict = {"adapter_mb": payloads[0].nbytes / 1e6}
-
     vocab = cfg["vocab_size"]
+    default = LaunchOptions.for_device(dev)
+    r["default_options"] = dataclasses.asdict(default)
+
     # correctness: graph replays with LoRA == eager steps with LoRA; adapters change the output.
-    # (An engine binds the model's attention layers to its own KV cache: build the eager one first.)
     ids8 = ["", "bench-0", "bench-1", "bench-2", "", "bench-0", "bench-3", "bench-4"]
     eager = LLMEngine(model, NullTokenizer(), engine_config(graphs=False), adapters)
     eager_tokens = tokens_of(eager, ids8, vocab)
     del eager
-    engine = LLMEngine(model, NullTokenizer(), engine_config(), adapters)
-    engine.runner.capture_graphs()  # what engine.start() does; the benchmark steps the engine itself
-    graph_tokens = tokens_of(engine, ids8, vocab)
-    base_tokens = tokens_of(engine, [""] * 8, vocab)
+    # one process, one model: a base engine (no adapter manager) and a LoRA engine per launch
+    # variant, each with its own KV cache and graphs (captured with that variant's launches)
+    engines = {"base": LLMEngine(model, NullTokenizer(), engine_config())}
+    engines["base"].runner.capture_graphs()
+    variants = {"default": default}
+    if dev.type == "cuda" and pdl_supported(dev):
+        variants[f"pdl={not default.pdl}"] = dataclasses.replace(default, pdl=not default.pdl)
+    for name, options in variants.items():
+        set_launch_options(model, options)
+        engines[name] = LLMEngine(model, NullTokenizer(), engine_config(), adapters)
+        engines[name].runner.capture_graphs()  # what engine.start() does; the benchmark steps engines itself
+    set_launch_options(model, default)
+    lora = engines["default"]
+    bind(lora)
+    graph_tokens = tokens_of(lora, ids8, vocab)
+    base_tokens = tokens_of(lora, [""] * 8, vocab)
     r["graph_eq_eager_rows"] = sum(a == b for a, b in zip(graph_tokens, eager_tokens, strict=True))
     r["adapter_rows_differ_from_base"] = sum(graph_tokens[i] != base_tokens[i] for i in (1, 2, 3, 5, 6, 7))
     print(
@@ -306,33 +372,35 @@ def bench_shape(shape: str, results: dict, peft_cases: list[tuple[int, int]], pe
         flush=True,
     )
 
-    decode_run(engine, distinct_ids(8, BATCH), vocab, 8)  # warm up
-    r["lora_tps"] = {}
-    for n in (0, 1, 8, 32, 64):
-        r["lora_tps"][n] = decode_run(engine, distinct_ids(n, BATCH), vocab)
-        print(f"[{shape}] {n:2d} distinct adapters, batch {BATCH}: {r['lora_tps'][n]:.0f} tok/s", flush=True)
-    r["lora_tps_batch32_32"] = decode_run(engine, distinct_ids(32, 32), vocab)
-    print(f"[{shape}] 32 distinct adapters, batch 32: {r['lora_tps_batch32_32']:.0f} tok/s", flush=True)
+    cases = [("base engine", "base", 0)]
+    for name in variants:
+        cases += [(f"LoRA {name}, {n} adapters", name, n) for n in counts]
+    for name, engine in engines.items():  # warm up every engine
+        bind(engine)
+        decode_run(engine, distinct_ids(0 if name == "base" else max(counts), BATCH), vocab, 8)
+    tps = interleaved_decode(engines, cases, vocab, args.reps)
+    r["decode"] = summarize(tps, "base engine")
+    r["decode_raw"] = tps
+    for label, row in r["decode"].items():
+        print(
+            f"[{shape}] {label}: {row['median']:.0f} tok/s ({row['min']:.0f}-{row['max']:.0f}), "
+            f"{row['pct_of_base']:.1f}% of base ({row['pct_min']:.1f}-{row['pct_max']:.1f})",
+            flush=True,
+        )
+    bind(lora)
+    r["lora_tps_batch32_32"] = decode_run(lora, distinct_ids(min(32, max(counts)), 32), vocab)
     if dev.type == "cuda":
         r["activation"] = activation_times(adapters, payloads[0])
         print(f"[{shape}] activation {r['activation']}", flush=True)
-    del engine
+    del engines, lora
     running.close()
-    for module in model.grouped_linears().values():
-        module.lora = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    base = LLMEngine(model, NullTokenizer(), engine_config())
-    base.runner.capture_graphs()
-    decode_run(base, distinct_ids(0, BATCH), vocab, 8)
-    r["base_tps"] = decode_run(base, distinct_ids(0, BATCH), vocab)
-    print(f"[{shape}] base engine (no adapters): {r['base_tps']:.0f} tok/s", flush=True)
-    del base, adapters, model, payloads
+    del adapters, model, payloads
     gc.collect()
     torch.cuda.empty_cache()
     r["peft_tps"] = {}
+    peft_cases = ([(32, 32), (64, 64)] if shape == "1b" else [(32, 32)]) if args.peft else []
     for n, batch in peft_cases if dev.type == "cuda" else []:
-        r["peft_tps"][f"{n}x{batch}"] = peft_throughput(cfg, n, batch, peft_tokens)
+        r["peft_tps"][f"{n}x{batch}"] = peft_throughput(cfg, n, batch, args.peft_tokens)
         print(
             f"[{shape}] transformers+peft {n} adapters, batch {batch}: {r['peft_tps'][f'{n}x{batch}']:.1f} tok/s",
             flush=True,
@@ -342,9 +410,31 @@ def bench_shape(shape: str, results: dict, peft_cases: list[tuple[int, int]], pe
     results[shape] = r
 
 
+def table(results: dict) -> str:
+    lines = [
+        f"{results['gpu']}, {results['date']}: decode tok/s, batch {BATCH}, median of {results['reps']} "
+        "interleaved rounds (min-max); % of base = median of per-round ratios",
+        "",
+        "| shape | case | tok/s | % of base |",
+        "|---|---|---:|---:|",
+    ]
+    for shape, r in results.items():
+        if not isinstance(r, dict) or "decode" not in r:
+            continue
+        for label, row in r["decode"].items():
+            lines.append(
+                f"| {shape} | {label} | {row['median']:.0f} ({row['min']:.0f}-{row['max']:.0f}) | "
+                f"{row['pct_of_base']:.1f} ({row['pct_min']:.1f}-{row['pct_max']:.1f}) |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1b,8b")
+    ap.add_argument("--adapters", default="0,1,8,32,64", help="distinct adapters per batch of 64")
+    ap.add_argument("--reps", type=int, default=7, help="interleaved rounds over all cases")
+    ap.add_argument("--peft", action="store_true", help="also time transformers + peft")
     ap.add_argument("--peft-tokens", type=int, default=8)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -352,12 +442,13 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
+        "reps": args.reps,
     }
     for shape in args.shapes.split(","):
-        bench_shape(shape, results, [(32, 32), (64, 64)] if shape == "1b" else [(32, 32)], args.peft_tokens)
-    print(json.dumps(results, indent=1, default=str))
+        bench_shape(shape, results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
     return 0
 
 

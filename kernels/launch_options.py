@@ -15,11 +15,14 @@ import torch
 class LaunchOptions:
     # Programmatic dependent launch of add_lora's expand (Hopper and later): its programs start
     # while the shrink runs, load their work items, B and y tiles, then wait for the shrink's
-    # partial sums, so a decode step would pay one launch latency per module group instead of two.
-    # Off until measured on a GPU (benchmarks/bench_kernels.py --sweep tries it); taken only where
-    # the device and the installed Triton have it.
-    pdl: bool = False
-    # Load each expand item's first B and y tiles before its s (None: only when launched with PDL).
+    # partial sums, so a decode step pays one launch latency per module group instead of two.
+    # None: on wherever the device and the installed Triton support it, where it measured faster
+    # (benchmarks/results/overhead.md, H100: a 64-row decode step of rank-16 LoRA on Llama-3-8B
+    # shapes 0.93 vs 1.18 ms with 1 adapter, 1.11 vs 1.39 ms with 8, 3.20 vs 3.44 ms with 64).
+    pdl: bool | None = None
+    # Load each expand item's first B and y tiles before its s. None: with PDL, for decode rows
+    # whose buffer rank keeps the whole B tile under the preload's tile limit (ranks up to 32 in
+    # 16-bit types); it halves the tile at rank 64, which measured slower than not preloading.
     expand_preload: bool | None = None
     # B loads of whole 16-byte vectors along the rank (entries past a slot's rank zeroed in
     # registers) instead of element-wise rank masks, which keep the compiler to 2-byte loads.
@@ -27,12 +30,11 @@ class LaunchOptions:
 
     @classmethod
     def for_device(cls, device: torch.device | str, **overrides: bool | None) -> LaunchOptions:
-        """The defaults (with `overrides`) as they can run on `device`: PDL only where the device
-        and the installed Triton support it."""
+        """The defaults (with `overrides`) resolved for `device`: PDL on where the device and the
+        installed Triton support it (unless overridden off), never where they do not."""
         options = cls(**overrides)  # type: ignore[arg-type]
-        if options.pdl and not pdl_supported(torch.device(device)):
-            options = dataclasses.replace(options, pdl=False)
-        return options
+        supported = pdl_supported(torch.device(device))
+        return dataclasses.replace(options, pdl=supported and options.pdl is not False)
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -101,6 +101,13 @@ def pdl_supported(device: torch.device) -> bool:
     )
 
 
+def preload_keeps_tile(max_rank: int, elem_size: int) -> bool:
+    """Whether the preloading decode expand keeps its whole B tile (DECODE_BLOCK_N x the rank
+    tile) under PRELOAD_TILE_ELEMS; where it does not, the tile halves and the step got slower."""
+    block_r = max(16, _pow2(max_rank))
+    return block_r * (DECODE_BLOCK_N * 2 // elem_size) <= PRELOAD_TILE_ELEMS
+
+
 def block_m_for(num_tokens: int) -> int:
     return 16 if num_tokens < PREFILL_ROWS else 64
 
@@ -365,9 +372,11 @@ def add_lora(
     shrink = plan_shrink(num_tokens, num_slices, max_rank, x.shape[1], x.element_size(), max_split, num_sms)
     part = workspace[: shrink.max_split * per_split]
     options = options if options is not None else LaunchOptions()
-    pdl = options.pdl and pdl_supported(x.device)
+    pdl = options.pdl is not False and pdl_supported(x.device)  # None: on where supported
     _launch_shrink(x, lora_a, ranks, batch, part, shrink, num_sms, pdl)
-    preload = pdl if options.expand_preload is None else options.expand_preload
+    preload = options.expand_preload
+    if preload is None:
+        preload = pdl and num_tokens < PREFILL_ROWS and preload_keeps_tile(max_rank, y.element_size())
     expand = plan_expand(
         num_tokens, max_rank, y.element_size(), preload=preload, b_vector_loads=options.b_vector_loads
     )

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.inference_worker.engine.scheduler import ScheduledBatch
-from loraserve.inference_worker.engine.sequence import SamplingParams
+from tests.helpers.engine_logits import prefill_logits as engine_prefill_logits
 from tests.helpers.local_worker import LocalWorker
 from tests.helpers.lora_store import ADAPTER_SPECS
 from tests.helpers.peft_adapters import peft_reference
@@ -25,25 +24,7 @@ def local_worker(tiny_model_dir, lora_store):
 
 
 def prefill_logits(w: LocalWorker, rows: list[tuple[str, list[int]]]) -> torch.Tensor:
-    """Last-position logits [len(rows), V] of one prefill step over all rows."""
-    engine, seqs = w.engine, []
-    for i, (adapter_id, prompt) in enumerate(rows):
-        seq = engine.make_sequence(
-            f"p{i}", "", prompt, SamplingParams(max_tokens=1), lambda out: None, adapter_id
-        )
-        assert engine.policy.can_admit(seq), seq.error
-        engine.blocks.allocate(seq, len(prompt))
-        seqs.append(seq)
-    try:
-        logits, order = engine.runner.execute(
-            ScheduledBatch(prefills=[(s, s.num_prompt_tokens) for s in seqs])
-        )
-        assert order == seqs
-        return logits
-    finally:
-        for s in seqs:
-            engine.blocks.deallocate(s)
-            engine.policy.on_finished(s)
+    return engine_prefill_logits(w.engine, rows)
 
 
 def test_logits_match_peft(local_worker, tiny_model_dir, lora_adapter_root):
