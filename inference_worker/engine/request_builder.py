@@ -6,7 +6,6 @@ Runs on the caller's thread (the service calls it off the event loop: a chat tem
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -15,8 +14,12 @@ from tokenizers import Tokenizer
 from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy
 from loraserve.inference_worker.engine.block_manager import BlockManager
 from loraserve.inference_worker.engine.config import EngineConfig
-from loraserve.inference_worker.engine.request_checks import check_prompt_size, check_request_id, check_stops
-from loraserve.inference_worker.engine.sampler import MAX_TOP_LOGPROBS
+from loraserve.inference_worker.engine.request_checks import (
+    check_prompt_size,
+    check_request_id,
+    check_sampling_params,
+    check_stops,
+)
 from loraserve.inference_worker.engine.sequence import (
     RequestOutput,
     SamplingParams,
@@ -27,31 +30,6 @@ from loraserve.inference_worker.engine.sequence import (
 from loraserve.inference_worker.engine.text_stream import TextStream
 from loraserve.inference_worker.errors import InvalidRequest
 from loraserve.inference_worker.model.chat_template import ChatMessage, ChatTemplate
-
-
-def check_sampling_params(p: SamplingParams, max_num_seqs: int) -> None:
-    """Raise InvalidRequest for a sampling parameter outside its range (max_tokens is checked
-    against the prompt by the builder)."""
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise InvalidRequest(f"temperature must be a finite number >= 0, got {p.temperature}")
-    if not 0.0 < p.top_p <= 1.0:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0, got {p.top_k}")
-    if p.max_tokens < 0:
-        raise InvalidRequest(f"max_tokens must be >= 0, got {p.max_tokens}")
-    if not 1 <= p.n <= max_num_seqs:
-        raise InvalidRequest(f"n must be in [1, max_num_seqs = {max_num_seqs}], got {p.n}")
-    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
-    if p.top_logprobs and not p.logprobs:
-        raise InvalidRequest("top_logprobs needs logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(p, name)
-        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
-            raise InvalidRequest(f"{name} must be in [-2, 2], got {v}")
-    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        raise InvalidRequest(f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}")
 
 
 class RequestBuilder:

@@ -8,8 +8,11 @@ refusal is InvalidRequest naming the limit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 
+from loraserve.inference_worker.engine.sampler import MAX_TOP_LOGPROBS
+from loraserve.inference_worker.engine.sequence import SamplingParams
 from loraserve.inference_worker.errors import InvalidRequest
 from loraserve.inference_worker.model.chat_template import ChatMessage
 
@@ -64,3 +67,28 @@ def check_stops(stop: Seq[str], stop_token_ids: Seq[int]) -> None:
         )
     if len(stop_token_ids) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"send at most {MAX_STOP_STRINGS} stop token ids, got {len(stop_token_ids)}")
+
+
+def check_sampling_params(p: SamplingParams, max_num_seqs: int) -> None:
+    """Raise InvalidRequest for a sampling parameter outside its range (max_tokens is checked
+    against the prompt by the builder)."""
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise InvalidRequest(f"temperature must be a finite number >= 0, got {p.temperature}")
+    if not 0.0 < p.top_p <= 1.0:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0, got {p.top_k}")
+    if p.max_tokens < 0:
+        raise InvalidRequest(f"max_tokens must be >= 0, got {p.max_tokens}")
+    if not 1 <= p.n <= max_num_seqs:
+        raise InvalidRequest(f"n must be in [1, max_num_seqs = {max_num_seqs}], got {p.n}")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+    if p.top_logprobs and not p.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise InvalidRequest(f"{name} must be in [-2, 2], got {v}")
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        raise InvalidRequest(f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}")

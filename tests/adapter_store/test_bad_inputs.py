@@ -13,7 +13,7 @@ import torch
 
 from loraserve.clients.adapter_fetch import fetch_adapter
 from loraserve.v1 import store_pb2, store_pb2_grpc
-from tests.adapter_store import bad_checkpoints as bad
+from tests.helpers import bad_checkpoints as bad
 from tests.helpers.store_calls import expect_error, register
 
 C = grpc.StatusCode

@@ -21,7 +21,7 @@ from loraserve.adapter_store.sources import parse_s3
 from loraserve.adapter_store.validate import module_path
 from loraserve.contract.adapter_layout import MODULES
 from loraserve.v1 import store_pb2
-from tests.adapter_store import bad_checkpoints as bad
+from tests.helpers import bad_checkpoints as bad
 from tests.helpers.health import HealthProbe
 
 C = grpc.StatusCode

@@ -13,7 +13,7 @@ import torch
 from loraserve.clients.adapter_fetch import fetch_adapter
 from loraserve.contract.adapter_layout import ALIGN
 from loraserve.v1 import store_pb2, store_pb2_grpc
-from tests.adapter_store.expected import expected_tensors
+from tests.helpers.optimized_tensors import expected_tensors
 
 _EXPECTED: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from tests.kernels.cases import CASES, run_case
+from tests.helpers.lora_cases import CASES, run_case
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 

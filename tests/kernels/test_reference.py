@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraserve.kernels import LoRABatch, add_lora, lora_expand, lora_shrink
-from tests.kernels.cases import CASES, run_case
+from tests.helpers.lora_cases import CASES, run_case
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

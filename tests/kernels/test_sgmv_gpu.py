@@ -7,7 +7,7 @@ import torch
 
 from loraserve.kernels import LaunchOptions, LoRABatch, add_lora
 from loraserve.kernels.batch import max_work_items
-from tests.kernels.cases import CASES, run_case
+from tests.helpers.lora_cases import CASES, run_case
 
 pytestmark = [
     pytest.mark.gpu,

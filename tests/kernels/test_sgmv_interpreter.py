@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernels.cases import CASES
+from tests.helpers.lora_cases import CASES
 
 DTYPES = ("float32", "float16")
 
