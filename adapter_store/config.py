@@ -72,6 +72,7 @@ class StoreConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     metrics_port: int | None = None
+    otlp_endpoint: str = ""
     grace_period_s: float = 10.0
     log_level: str = "INFO"
 

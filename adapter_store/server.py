@@ -22,9 +22,11 @@ from loraserve.adapter_store.registry import Registry, SqliteRegistry
 from loraserve.adapter_store.service import AdapterService
 from loraserve.adapter_store.servicer import AdapterStoreServicer, add_to_server
 from loraserve.adapter_store.sources import SourceResolver, boto3_s3_factory
+from loraserve.serving import tracing
 from loraserve.serving.background import BackgroundServer
 from loraserve.serving.interceptors import BearerTokenInterceptor, ErrorStatusInterceptor
 from loraserve.serving.logs import configure_logging
+from loraserve.serving.observed_calls import ObservedCallInterceptor
 from loraserve.serving.ports import bind_grpc_port, grpc_server
 from loraserve.v1 import store_pb2
 
@@ -105,7 +107,12 @@ def create_server(config: StoreConfig) -> tuple[StoreServer, int]:
         config.root, boto3_s3_factory(config.s3_endpoint_url, config.s3_region, config.s3_timeout_s)
     )
     service = AdapterService(config, base_config, open_registry(config), resolver, metrics)
+    if config.otlp_endpoint:
+        tracing.enable_otlp(config.otlp_endpoint, "loraserve-store")
     interceptors = [
+        ObservedCallInterceptor(
+            "store", quiet={"ListAdapters"}
+        ),  # outermost: sees the status the caller gets
         BearerTokenInterceptor(
             {method: config.admin_token for method in ADMIN_METHODS}
             | {

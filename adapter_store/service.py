@@ -28,6 +28,8 @@ from loraserve.adapter_store.registry import AdapterRecord, Registry
 from loraserve.adapter_store.sources import AdapterSource, SourceResolver
 from loraserve.adapter_store.validate import Limits, LoraAdapter, validate
 from loraserve.contract.adapter_layout import ADAPTER_ID_RE
+from loraserve.serving import tracing
+from loraserve.serving.access_log import note
 
 log = logging.getLogger("loraserve.store")
 
@@ -195,6 +197,9 @@ class AdapterService:
                 f"{digest} (it was re-registered)"
             )
         optimized = self.cache.get(adapter_id, record.digest, record)
+        cache = "hit" if optimized is not None else "miss"
+        note(cache=cache)
+        tracing.annotate({"loraserve.store.cache": cache})
         if optimized is not None:
             self.metrics.cache_hits.inc()
         else:
@@ -208,8 +213,9 @@ class AdapterService:
         return record, optimized
 
     async def _rebuild(self, record: AdapterRecord) -> OptimizedAdapter:
-        src = await asyncio.to_thread(self.resolver.resolve, record.source)
-        _, optimized = await asyncio.to_thread(self._build, src, "rebuild")
+        with tracing.span("store.build", {"loraserve.adapter.id": record.adapter_id}):
+            src = await asyncio.to_thread(self.resolver.resolve, record.source)
+            _, optimized = await asyncio.to_thread(self._build, src, "rebuild")
         if optimized.digest != record.digest:
             raise DataLoss(
                 f"adapter {record.adapter_id!r}: its source {record.source} now optimizes to digest "

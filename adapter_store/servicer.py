@@ -13,6 +13,8 @@ from loraserve.adapter_store.optimize import OptimizedAdapter
 from loraserve.adapter_store.registry import AdapterRecord
 from loraserve.adapter_store.service import AdapterService
 from loraserve.contract.chunk_codec import encode_chunk, serialize_response
+from loraserve.serving import tracing
+from loraserve.serving.access_log import note
 from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
 
 
@@ -59,6 +61,7 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         self.chunk_bytes = chunk_bytes
 
     async def RegisterAdapter(self, request, context):
+        note(adapter=request.adapter_id)
         record = await self.service.register(request.adapter_id, request.source, request.overwrite)
         return record_to_pb(record)
 
@@ -72,13 +75,21 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         )
 
     async def DeleteAdapter(self, request, context):
+        note(adapter=request.adapter_id)
         record = await self.service.delete(request.adapter_id)
         return store_pb2.DeleteAdapterResponse(adapter=record_to_pb(record))
 
     async def FetchAdapter(  # type: ignore[override]  # pre-serialized bytes chunks, see serialize_response
         self, request, context
     ) -> AsyncIterator[store_pb2.FetchAdapterResponse | bytes]:
-        record, optimized = await self.service.open_fetch(request.adapter_id, request.offset, request.digest)
+        note(adapter=request.adapter_id, offset=request.offset)
+        attributes = {"loraserve.adapter.id": request.adapter_id, "loraserve.offset": request.offset}
+        with tracing.span("store.fetch", attributes) as span:  # cache lookup, or a rebuild on a miss
+            record, optimized = await self.service.open_fetch(
+                request.adapter_id, request.offset, request.digest
+            )
+            tracing.annotate({"loraserve.bytes": optimized.total_bytes - request.offset}, span)
+        note(bytes=optimized.total_bytes - request.offset)
         yield store_pb2.FetchAdapterResponse(manifest=manifest_to_pb(record, optimized))
         # The payload stays referenced by `optimized` for the whole stream, even if evicted meanwhile.
         view = memoryview(optimized.payload.numpy())  # type: ignore[arg-type]

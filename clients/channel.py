@@ -81,11 +81,13 @@ def open_aio_channel(
     tls: bool = False,
     root_certificates: bytes | str | Path | None = None,
     options: Options = (),
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
-    """The grpc.aio twin of open_channel."""
+    """The grpc.aio twin of open_channel; `interceptors` see every call (e.g. trace propagation)."""
     creds = _credentials(tls, root_certificates)
+    chosen = list(interceptors) or None
     return (
-        grpc.aio.secure_channel(address, creds, options=options)
+        grpc.aio.secure_channel(address, creds, options=options, interceptors=chosen)
         if creds
-        else grpc.aio.insecure_channel(address, options=options)
+        else grpc.aio.insecure_channel(address, options=options, interceptors=chosen)
     )

@@ -50,6 +50,8 @@ _HELP = {
     "advertise_address": "address other services reach this worker at (default host:port)",
     "generate_token": "bearer token required by Generate/GenerateStream",
     "admin_token": "bearer token required by LoadAdapter/UnloadAdapter/PinAdapter",
+    "metrics_top_adapters": "adapters with their own label in the per-adapter metrics (the most used; "
+    'the rest are counted as adapter="other")',
     "grace_period_s": "seconds running generations get to finish on SIGTERM",
 }
 
@@ -90,6 +92,8 @@ class WorkerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     metrics_port: int | None = None
+    otlp_endpoint: str = ""
+    metrics_top_adapters: int = 20
     grace_period_s: float = 30.0
     log_level: str = "INFO"
 
@@ -141,6 +145,8 @@ class WorkerConfig:
             problems.append("num_kv_blocks must be 0 (auto) or >= 2")
         if self.grace_period_s < 0:
             problems.append("grace_period_s must be >= 0")
+        if not 1 <= self.metrics_top_adapters <= 1000:
+            problems.append("metrics_top_adapters must be in [1, 1000]")
         if self.adapter_poll_interval_s <= 0:
             problems.append("adapter_poll_interval_s must be > 0")
         if bool(self.tls_cert) != bool(self.tls_key):

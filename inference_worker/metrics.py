@@ -6,15 +6,18 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from loraserve.inference_worker.adapters.usage_metrics import AdapterUsageMetrics
+
 if TYPE_CHECKING:
     from loraserve.contract.usage import Usage
     from loraserve.inference_worker.engine.engine import LLMEngine
 
 
 class WorkerMetrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, top_adapters: int = 20) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.per_adapter = AdapterUsageMetrics(r, top_adapters)
         self.requests = Counter(
             "loraserve_worker_requests",
             "Generate requests by method and status code",
@@ -48,9 +51,16 @@ class WorkerMetrics:
         )
         self._server: Any = None  # prometheus_client's WSGIServer once serving
 
-    def observe_finished(self, usage: Usage) -> None:
+    def count_request(self, method: str, code: str, adapter_id: str = "") -> None:
+        self.requests.labels(method, code).inc()
+        if adapter_id:
+            self.per_adapter.observe_request(adapter_id, code)
+
+    def observe_finished(self, usage: Usage, adapter_id: str = "") -> None:
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.generated_tokens.inc(usage.completion_tokens)
+        if adapter_id:
+            self.per_adapter.observe_tokens(adapter_id, usage.prompt_tokens, usage.completion_tokens)
         if usage.completion_tokens:
             self.ttft.observe(usage.time_to_first_token_ms / 1e3)
         self.queue_time.observe(usage.queue_time_ms / 1e3)

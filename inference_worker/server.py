@@ -25,9 +25,11 @@ from loraserve.inference_worker.engine.engine import LLMEngine
 from loraserve.inference_worker.metrics import WorkerMetrics
 from loraserve.inference_worker.model.config import ModelConfigError
 from loraserve.inference_worker.service import InferenceWorkerServicer, dispatch_on
+from loraserve.serving import tracing
 from loraserve.serving.background import BackgroundServer
 from loraserve.serving.interceptors import BearerTokenInterceptor, ErrorStatusInterceptor
 from loraserve.serving.logs import configure_logging
+from loraserve.serving.observed_calls import ObservedCallInterceptor
 from loraserve.serving.ports import PortUnavailable, bind_grpc_port, grpc_server
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -43,8 +45,13 @@ class WorkerServer:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.health = health.aio.HealthServicer()
+        if config.otlp_endpoint:
+            tracing.enable_otlp(config.otlp_endpoint, "loraserve-worker")
         self.grpc_server = grpc_server(
             [
+                ObservedCallInterceptor(
+                    "worker", quiet={"GetWorkerInfo", "ListAdapters"}
+                ),  # outermost: sees the status the caller gets
                 BearerTokenInterceptor(
                     {f"/{SERVICE_NAME}/{m}": config.generate_token for m in GENERATE_METHODS}
                     | {f"/{SERVICE_NAME}/{m}": config.admin_token for m in ADMIN_METHODS}
@@ -71,9 +78,9 @@ class WorkerServer:
         self.config = config.replace(port=self.port) if config.port == 0 else config
         worker = build_worker(self.config)
         self.engine, self.adapters = worker.engine, worker.adapters
-        self.metrics = WorkerMetrics(self.engine)
+        self.metrics = WorkerMetrics(self.engine, self.config.metrics_top_adapters)
         if self.adapters is not None:
-            self.adapters.register_metrics(self.metrics.registry)
+            self.adapters.register_metrics(self.metrics.registry, self.metrics.per_adapter)
         self.servicer = InferenceWorkerServicer(self.engine, self.config, self.metrics, self.adapters)
         worker_pb2_grpc.add_InferenceWorkerServicer_to_server(self.servicer, self.grpc_server)
         self.metrics_port: int | None = None

@@ -21,6 +21,7 @@ from loraserve.inference_worker.metrics import WorkerMetrics
 from loraserve.inference_worker.model.chat_template import ChatMessage
 from loraserve.inference_worker.model.token_bytes import TokenBytes
 from loraserve.inference_worker.outputs_pb import ResponseBuilder, stream_message
+from loraserve.inference_worker.request_observer import RequestObserver
 from loraserve.serving.errors import status_of
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -113,6 +114,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         """Submits the request and yields its outputs; aborting the sequence if the call goes away."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = request.request_id or uuid.uuid4().hex
+        observer = RequestObserver(rid, request.adapter_id, self.metrics.per_adapter)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         finished = False
@@ -132,9 +134,10 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             )
             # validating, tokenizing, rendering a chat template: CPU work, off the event loop
             seq = await asyncio.to_thread(self.engine.make_sequence, *args)
+            observer.submitted(seq)
             self.engine.submit(seq)
         except WorkerError as exc:
-            self.metrics.requests.labels(method, exc.code).inc()
+            self.metrics.count_request(method, exc.code, request.adapter_id)
             raise
         self.active += 1
         try:
@@ -144,11 +147,12 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                     finished = True
                     if out.error is not None:
                         self.engine.abort(rid)  # the other completions, if any
-                        self.metrics.requests.labels(method, status_of(out.error)[0]).inc()
+                        self.metrics.count_request(method, status_of(out.error)[0], request.adapter_id)
                         raise out.error
-                    self.metrics.requests.labels(method, "OK").inc()
+                    self.metrics.count_request(method, "OK", request.adapter_id)
                     if out.usage is not None:
-                        self.metrics.observe_finished(out.usage)
+                        self.metrics.observe_finished(out.usage, request.adapter_id)
+                        observer.finished(out.usage, out.adapter_digest)
                 yield out
                 if finished:
                     return
@@ -156,7 +160,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             self.active -= 1
             if not finished:
                 self.engine.abort(rid)
-                self.metrics.requests.labels(method, "CANCELLED").inc()
+                self.metrics.count_request(method, "CANCELLED", request.adapter_id)
 
     # ---------------------------------------------------------------------------- RPCs
     async def Generate(

@@ -10,7 +10,7 @@ import pytest
 
 from loraserve.inference_worker.model.tiny import TinyLlamaSpec, write_tiny_llama
 
-pytest_plugins = ["tests.helpers.store_fixtures"]
+pytest_plugins = ["tests.helpers.store_fixtures", "tests.helpers.tracing"]
 
 
 @pytest.fixture(scope="session")

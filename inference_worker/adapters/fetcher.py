@@ -19,6 +19,7 @@ from loraserve.inference_worker.adapters.metrics import AdapterMetrics
 from loraserve.inference_worker.adapters.refs import AdapterRef
 from loraserve.inference_worker.errors import DependencyUnavailable, NoAdapterStore, WorkerError
 from loraserve.inference_worker.lora.payload import AdapterPayload
+from loraserve.serving import tracing
 
 MAX_STALE_RETRIES = 3
 MAX_FAILED_KEPT = 4096
@@ -44,6 +45,7 @@ class Flight:
     ref: AdapterRef
     waiters: set[int] = field(default_factory=set)  # sequence keys
     future: concurrent.futures.Future[str] | None = None  # -> version key "id@digest"
+    trace_context: object = None  # of the request (or admin call) that started it; None while off
 
 
 class AdapterFetcher:
@@ -76,7 +78,7 @@ class AdapterFetcher:
                 raise NoAdapterStore()
             if self._loop is None or self._loop.is_closed():
                 raise DependencyUnavailable("the worker's adapters are not running (no event loop)")
-            flight = Flight(ref)
+            flight = Flight(ref, trace_context=tracing.current_context())
             self.flights[ref] = flight
             flight.future = asyncio.run_coroutine_threadsafe(self._fly(flight), self._loop)
         if waiter is not None:
@@ -94,6 +96,13 @@ class AdapterFetcher:
 
     # ------------------------------------------------------------------ event loop
     async def _fly(self, flight: Flight) -> str:
+        attributes = {"loraserve.adapter.id": flight.ref.adapter_id, "loraserve.adapter.tier": "cpu"}
+        with tracing.span("worker.adapter_load", attributes, parent=flight.trace_context) as span:
+            key = await self._fetch(flight)
+            tracing.annotate({"loraserve.adapter.version": key}, span)
+            return key
+
+    async def _fetch(self, flight: Flight) -> str:
         assert self.source is not None
         ref, t0 = flight.ref, time.perf_counter()
         try:
@@ -104,8 +113,11 @@ class AdapterFetcher:
                 self._installer.check(payload)
                 with self._lock:
                     if self._installer.install(payload, generation):
-                        self.metrics.loads.labels("cpu", "ok").inc()
-                        self.metrics.load_seconds.labels("cpu").observe(time.perf_counter() - t0)
+                        seconds = time.perf_counter() - t0
+                        self.metrics.observe_load("cpu", ref.adapter_id, seconds)
+                        tracing.annotate(
+                            {"loraserve.load_ms": seconds * 1e3, "loraserve.bytes": payload.nbytes}
+                        )
                         return payload.key
             raise DependencyUnavailable(
                 f"adapter {ref.adapter_id!r} kept changing at the store while fetching"

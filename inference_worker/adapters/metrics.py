@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from loraserve.inference_worker.adapters.usage_metrics import AdapterUsageMetrics
 
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -57,6 +62,14 @@ class AdapterMetrics:
         self.cpu_bytes = Gauge(
             "loraserve_worker_adapter_cpu_cache_bytes", "Bytes of the CPU cache.", registry=reg
         )
+        self.per_adapter: AdapterUsageMetrics | None = None  # the worker's per-adapter series
+
+    def observe_load(self, tier: str, adapter_id: str, seconds: float) -> None:
+        """A successful load into `tier` (cpu: fetched from the store, gpu: copied into a slot)."""
+        self.loads.labels(tier, "ok").inc()
+        self.load_seconds.labels(tier).observe(seconds)
+        if self.per_adapter is not None:
+            self.per_adapter.observe_load(adapter_id, tier, seconds)
 
     def register_on(self, registry: CollectorRegistry) -> None:
         for c in (

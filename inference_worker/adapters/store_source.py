@@ -45,6 +45,7 @@ class StoreSource:
 
     def _store_stub(self) -> store_pb2_grpc.AdapterStoreStub:
         from loraserve.clients.channel import open_aio_channel
+        from loraserve.serving import tracing
         from loraserve.v1 import store_pb2_grpc
 
         if self._stub is None:
@@ -56,7 +57,10 @@ class StoreSource:
                 ("grpc.max_receive_message_length", 8 << 20),
             ]
             self._channel = open_aio_channel(
-                self.address, root_certificates=self._tls_root_cert, options=options
+                self.address,
+                root_certificates=self._tls_root_cert,
+                options=options,
+                interceptors=tracing.client_interceptors(),  # the store continues the fetch's trace
             )
             self._stub = store_pb2_grpc.AdapterStoreStub(self._channel)
         return self._stub

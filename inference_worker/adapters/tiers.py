@@ -19,6 +19,7 @@ from loraserve.inference_worker.adapters.slot_table import SlotState, SlotTable
 from loraserve.inference_worker.errors import AdapterSlotsExhausted
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.inference_worker.lora.slots import LoRASlots
+from loraserve.serving import tracing
 
 
 class AdapterTiers:
@@ -52,12 +53,16 @@ class AdapterTiers:
             self.table.release_slot(s)
             self._changed(old)
         t0 = time.perf_counter()
-        try:
-            self.slots.load(s.index, payload)
-        except Exception:
-            self.slots.clear(s.index)
-            self.metrics.loads.labels("gpu", "error").inc()
-            raise
+        attributes = {"loraserve.adapter.id": payload.adapter_id, "loraserve.adapter.tier": "gpu"}
+        with tracing.span("worker.adapter_load", attributes) as span:
+            try:
+                self.slots.load(s.index, payload)
+            except Exception:
+                self.slots.clear(s.index)
+                self.metrics.loads.labels("gpu", "error").inc()
+                raise
+            load_ms = (time.perf_counter() - t0) * 1e3
+            tracing.annotate({"loraserve.load_ms": load_ms, "loraserve.bytes": payload.nbytes}, span)
         self.table.assign(
             s,
             payload.key,
@@ -67,8 +72,7 @@ class AdapterTiers:
             payload.nbytes,
             self.tick(),
         )
-        self.metrics.load_seconds.labels("gpu").observe(time.perf_counter() - t0)
-        self.metrics.loads.labels("gpu", "ok").inc()
+        self.metrics.observe_load("gpu", payload.adapter_id, time.perf_counter() - t0)
         self._changed(payload.adapter_id)
         self.update_gauges()
 

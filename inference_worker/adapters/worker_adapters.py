@@ -23,6 +23,7 @@ from loraserve.inference_worker.adapters.pool import AdapterPool
 from loraserve.inference_worker.adapters.refs import AdapterRef
 from loraserve.inference_worker.adapters.staging import AheadOfNeed
 from loraserve.inference_worker.adapters.store_check import StoreCheck
+from loraserve.inference_worker.adapters.usage_metrics import AdapterUsageMetrics
 from loraserve.inference_worker.coordination import Coordinator, InvalidationEvent
 from loraserve.inference_worker.engine.adapter_hooks import AdapterState
 from loraserve.inference_worker.engine.sequence import Sequence
@@ -31,6 +32,7 @@ from loraserve.inference_worker.lora.layer import LoRALayer
 from loraserve.inference_worker.lora.slots import LoRASlots
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.kernels import LaunchOptions, LoRABatch
+from loraserve.serving import tracing
 
 POPULARITY_TOP = 256  # adapters of this worker's counts published each round
 
@@ -98,8 +100,13 @@ class WorkerAdapters:
         if close is not None:
             await close()
 
-    def register_metrics(self, registry: CollectorRegistry) -> None:
+    def register_metrics(
+        self, registry: CollectorRegistry, per_adapter: AdapterUsageMetrics | None = None
+    ) -> None:
         self.pool.metrics.register_on(registry)
+        if per_adapter is not None:  # loads by adapter, and residency read from the tiers at scrape
+            self.pool.metrics.per_adapter = per_adapter
+            per_adapter.residents = lambda: [(a.adapter_id, a.tier) for a in self.pool.list()]
 
     def _apply_invalidation(self, event: InvalidationEvent) -> None:
         self.pool.apply_invalidation(event.adapter_id, event.digest)
@@ -132,7 +139,8 @@ class WorkerAdapters:
             return True
         try:
             ref = AdapterRef.parse(seq.adapter_id)
-            got = self.pool.acquire(seq.seq_id, ref, new_request=seq.num_preemptions == 0)
+            with tracing.attached(seq.trace_context):  # a load started here joins the request's trace
+                got = self.pool.acquire(seq.seq_id, ref, new_request=seq.num_preemptions == 0)
         except WorkerError as exc:
             seq.error = exc
             return False

@@ -124,6 +124,7 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     group: SequenceGroup | None = None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_token_ids
+    trace_context: object = None  # the request's OpenTelemetry context (None while tracing is off)
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Structured logs for both services: one JSON object per line on stderr."""
+"""Structured logs for both services: one JSON object per line on stderr. A record logged with
+`extra={"fields": {...}}` (the access log) carries those fields as keys of its object."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ class JsonLogFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

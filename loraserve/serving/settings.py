@@ -23,6 +23,8 @@ SERVER_HELP = {
     "tls_cert": "PEM certificate chain; serve TLS when set (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
     "metrics_port": "serve Prometheus metrics on this port",
+    "otlp_endpoint": "export OpenTelemetry traces over OTLP/gRPC to this URL, e.g. http://collector:4317 "
+    "(tracing is off when empty; needs the otlp extra)",
     "log_level": "logging level",
 }
 
