@@ -24,7 +24,7 @@ _HELP = {
     "base_model": "base model directory holding config.json (or the config.json itself)",
     "base_model_name": "name adapters must declare as base_model_name_or_path (default: the config's)",
     "check_base_model": "refuse adapters whose base_model_name_or_path names another model",
-    "serving_dtype": "dtype of the optimized tensors: the workers' --dtype (a worker converts another with a "
+    "serving_dtype": "dtype of the optimized tensors: keep it the workers' compute dtype (a worker converts another with a "
     "warning, and refuses one into float16)",
     "max_lora_rank": "largest LoRA rank accepted",
     "max_adapter_bytes": "largest adapter_model.safetensors accepted, in bytes",
@@ -39,8 +39,8 @@ _HELP = {
     "s3_region": "S3 region; default from the AWS configuration",
     "s3_timeout_s": "S3 connect/read timeout in seconds",
     "admin_token": "bearer token required by RegisterAdapter and DeleteAdapter (and accepted by the reads)",
-    "read_token": "bearer token required by FetchAdapter, GetAdapter and ListAdapters; workers present it "
-    "as --store-token (reads are open when unset)",
+    "read_token": "bearer token required by FetchAdapter, GetAdapter and ListAdapters; workers present it as "
+    "their store token (reads are open when unset)",
     "grace_period_s": "seconds running streams get to finish on SIGTERM",
 }
 
@@ -149,4 +149,5 @@ class StoreConfig:
             description="Run the adapter store service.",
             help=_HELP,
             required=("base_model",),
+            choices={"serving_dtype": DTYPES},
         )

@@ -16,13 +16,16 @@ from collections.abc import Sequence
 import grpc
 
 from loraserve.clients.channel import open_channel
+from loraserve.clients.cli_help import DefaultsHelpFormatter
 
 SERVING, NOT_SERVING, USAGE, NO_ANSWER = 0, 1, 2, 3
 
 
 def health_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="loraserve health", description="Check a server through grpc.health.v1 (exit 0 when SERVING)."
+        formatter_class=DefaultsHelpFormatter,
+        prog="loraserve health",
+        description="Check a server through grpc.health.v1 (exit 0 when SERVING).",
     )
     parser.add_argument("address", metavar="HOST:PORT")
     parser.add_argument(

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from loraserve.clients import tables
+from loraserve.clients.cli_help import DefaultsHelpFormatter
 from loraserve.clients.store_client import StoreClient
 from loraserve.v1 import adapter_pb2
 
@@ -66,7 +67,9 @@ def _fail(exc: grpc.RpcError) -> int:
 
 def register_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="loraserve register", description="Register an adapter with a store."
+        formatter_class=DefaultsHelpFormatter,
+        prog="loraserve register",
+        description="Register an adapter with a store.",
     )
     parser.add_argument("adapter_id", metavar="ID")
     parser.add_argument(
@@ -107,7 +110,9 @@ def format_table(infos: Sequence[adapter_pb2.AdapterInfo]) -> str:
 
 def adapters_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="loraserve adapters", description="List, show or delete a store's adapters."
+        formatter_class=DefaultsHelpFormatter,
+        prog="loraserve adapters",
+        description="List, show or delete a store's adapters.",
     )
     _connection_args(parser)
     sub = parser.add_subparsers(dest="action")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from loraserve.clients.cli_help import DefaultsHelpFormatter
 from loraserve.clients.router import WorkerRouter, discover_workers
 from loraserve.clients.tables import format_table
 from loraserve.clients.worker_client import Completion, WorkerClient
@@ -71,7 +72,11 @@ def _print_usage(u: Usage, finish_reason: str | None) -> None:
 
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="loraserve generate", description="Generate text through a worker.")
+    p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
+        prog="loraserve generate",
+        description="Generate text through a worker.",
+    )
     p.add_argument("prompt", nargs="?", help="prompt text (with --chat: the user's message)")
     p.add_argument(
         "--worker",
@@ -231,7 +236,9 @@ def format_residency(adapters: Sequence[worker_pb2.WorkerAdapter]) -> str:
 def slots_main(argv: Sequence[str] | None = None) -> int:
     """`loraserve slots`: what one worker holds, and the admin verbs that change it."""
     p = argparse.ArgumentParser(
-        prog="loraserve slots", description="List, load, unload, pin or unpin the adapters a worker holds."
+        formatter_class=DefaultsHelpFormatter,
+        prog="loraserve slots",
+        description="List, load, unload, pin or unpin the adapters a worker holds.",
     )
     p.add_argument("action", nargs="?", default="list", choices=("list", "load", "unload", "pin", "unpin"))
     p.add_argument("adapter_id", nargs="?", metavar="ID", help="adapter id (all actions but list)")

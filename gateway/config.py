@@ -85,15 +85,5 @@ class GatewayConfig:
             description="Serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
             "/v1/chat/completions) in front of one inference worker or the fleet. Every flag is also "
             "a LORASERVE_<FLAG> variable (--api-key is LORASERVE_API_KEY); a flag wins.",
-            help=_help_with_defaults(),
+            help=_HELP,
         )
-
-
-def _help_with_defaults() -> dict[str, str]:
-    """Each flag's help with the field's default appended (argparse sees None: unset flags fall back
-    to the variable, then to this default)."""
-    out = dict(_HELP)
-    for f in dataclasses.fields(GatewayConfig):
-        if f.default not in (None, "", dataclasses.MISSING) and f.name in out and "token" not in f.name:
-            out[f.name] += f" (default: {f.default})"
-    return out

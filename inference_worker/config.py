@@ -20,7 +20,7 @@ _HELP = {
     **SERVER_HELP,
     "model": "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)",
     "device": "cpu, cuda, cuda:N or auto (cuda when available)",
-    "dtype": "compute dtype; auto = bfloat16 on CUDA, float32 on CPU; the store's --serving-dtype",
+    "dtype": "compute dtype; auto = bfloat16 on CUDA, float32 on CPU; keep it the store's serving dtype",
     "max_num_seqs": "largest running batch",
     "max_model_len": "largest prompt plus completion (0 = the model's max_position_embeddings, at most 8192)",
     "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",
@@ -173,4 +173,5 @@ class WorkerConfig:
             description="Run an inference worker.",
             help=_HELP,
             required=("model",),
+            choices={"dtype": DTYPES},
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 from loraserve.adapter_store.config import StoreConfig
 from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
 from loraserve.adapter_store.server import BackgroundStore
+from loraserve.clients.cli_help import DefaultsHelpFormatter
 from loraserve.clients.store_cli import format_table
 from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
@@ -146,7 +147,9 @@ def register_demo_adapters(store_address: str, default: EmbeddedDefault, token: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="loraserve up", description="Run the system on its embedded default."
+        formatter_class=DefaultsHelpFormatter,
+        prog="loraserve up",
+        description="Run the system on its embedded default.",
     )
     parser.add_argument(
         "--data-dir", default=".loraserve-demo", help="where the model, adapters and registry live"

@@ -28,6 +28,7 @@ from loraserve.clients.bench.workload import (
     adapter_ids,
     load_prompts,
 )
+from loraserve.clients.cli_help import DefaultsHelpFormatter
 from loraserve.clients.router import discover_workers
 
 
@@ -45,6 +46,7 @@ def length_range(text: str) -> tuple[int, int]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="loraserve bench",
         description="Benchmark a worker, a fleet or the OpenAI endpoint under a multi-adapter workload.",
     )

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from loraserve.clients.cli_help import DefaultsHelpFormatter
 from loraserve.inference_worker.model.catalog import CATALOG, FetchProgress, ModelFetchError, fetch_model
 
 
@@ -77,7 +78,11 @@ def fetch(name: str, out_dir: str | Path, show_progress: bool = True) -> Path:
 
 
 def model_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loraserve model", description="Real models from the catalog.")
+    parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
+        prog="loraserve model",
+        description="Real models from the catalog.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the catalog")
     fetch_p = sub.add_parser("fetch", help="download and convert a model into a Hugging Face directory")

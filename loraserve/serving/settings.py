@@ -28,6 +28,10 @@ SERVER_HELP = {
     "log_level": "logging level",
 }
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# The allowed values of the fields every server's config has.
+SERVER_CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS}
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -63,21 +67,30 @@ def config_from_args(
     description: str,
     help: Mapping[str, str],
     required: Sequence[str] = (),
+    choices: Mapping[str, Sequence[str]] | None = None,
 ) -> T:
     """Build `cls` (a dataclass) from flags and LORASERVE_* variables; fields in `required` default to
-    "" so that the dataclass reports them missing in its own words."""
+    "" so that the dataclass reports them missing in its own words. `choices` (plus SERVER_CHOICES)
+    lists the allowed values of a field, for --help and for checking flags and variables alike."""
     env = os.environ if env is None else env
+    allowed = {**SERVER_CHOICES, **(choices or {})}
     parser = argparse.ArgumentParser(prog=prog, description=description)
     kinds: dict[str, type] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         kind = kinds[f.name] = field_kind(f.type)
         flag = "--" + f.name.replace("_", "-")
+        text = f"{help.get(f.name, '')} ({_default_text(f, required)})".lstrip()
         if kind is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help.get(f.name)
-            )
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            parser.add_argument(flag, type=kind, default=None, help=help.get(f.name))
+            values_of = allowed.get(f.name)
+            parser.add_argument(
+                flag,
+                type=_upper if values_of and all(v.isupper() for v in values_of) else kind,
+                choices=values_of,
+                default=None,
+                help=text,
+            )
     args = parser.parse_args(list(argv or []))
     values: dict[str, Any] = {}
     for name, kind in kinds.items():
@@ -88,6 +101,10 @@ def config_from_args(
                 value = parse_env_value(env[variable], kind, variable)
             except ValueError as exc:
                 parser.error(str(exc))
+            if name in allowed and str(value).upper() in allowed[name] and str(value) not in allowed[name]:
+                value = str(value).upper()
+            if name in allowed and value not in allowed[name]:
+                parser.error(f"{variable}={value!r} is not one of {', '.join(allowed[name])}")
         if value is not None:
             values[name] = value
     for name in required:
@@ -97,3 +114,22 @@ def config_from_args(
     except ValueError as exc:
         parser.error(str(exc))
         raise
+
+
+def _upper(raw: str) -> str:
+    return raw.upper()
+
+
+def _default_text(f: dataclasses.Field, required: Sequence[str]) -> str:
+    """What --help says of a field's default (argparse itself sees None: an unset flag falls back
+    to the variable, then to this default). A token's default is never shown."""
+    if f.name in required or f.default is dataclasses.MISSING:
+        return "required"
+    d = f.default
+    if isinstance(d, bool):
+        return f"default: {'on' if d else 'off'}"
+    if d is None or d == "":
+        return "default: none"
+    if f.name.endswith(("token", "key")):
+        return "default: set"
+    return f"default: {d}".replace("%", "%%")
