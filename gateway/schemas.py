@@ -109,20 +109,30 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice of a response has: its index and, once it ended, why."""
+
     index: int
-    text: str
     finish_reason: FinishReason = None
+
+
+class _Response(BaseModel):
+    """What every completion response and stream chunk has besides its `object` and choices."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+
+
+class CompletionChoice(_Choice):
+    text: str
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class TopLogprob(BaseModel):
@@ -144,20 +154,14 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: ChatMessageOut
-    finish_reason: FinishReason = None
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ChatDelta(BaseModel):
@@ -165,20 +169,14 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(_Choice):
     delta: ChatDelta
-    finish_reason: FinishReason = None
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class Model(BaseModel):
