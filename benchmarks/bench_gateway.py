@@ -1,7 +1,8 @@
 """Gateway overhead: the same streaming workload sent straight to a worker over gRPC
 (`GenerateStream`) and through the OpenAI-compatible gateway over HTTP (`/v1/completions`,
 server-sent events). The worker (tiny random Llama, CPU) and the gateway run as their own
-processes; the client is this process (asyncio, one grpc.aio channel / one httpx pool).
+processes; the streams are split over --client-procs client processes (asyncio; a grpc.aio channel
+or an httpx pool of pre-opened connections each) that start together.
 
 Reported per path: time to first token and the gaps between a stream's tokens (p50 / p99 over
 all gaps of all streams), wall time and token rate; the difference is what the gateway adds. The
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import socket
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +53,7 @@ class Phase:
     name: str
     streams: list[Stream]
     wall_s: float
-    client_cpu_s: float  # this process's CPU over the phase (parsing the streams)
+    client_cpu_s: float  # the client processes' CPU over the phase (parsing the streams)
     worker_cpu_s: float = 0.0
 
     @property
@@ -105,8 +108,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def grpc_phase(address: str, n: int, max_tokens: int) -> Phase:
+@dataclass
+class Part:
+    """What one client process measured."""
+
+    streams: list[Stream]
+    t0: float  # perf_counter (CLOCK_MONOTONIC, one clock for all processes) when it started
+    t1: float
+    cpu_s: float
+
+
+async def _grpc_part(address: str, n: int, max_tokens: int, barrier) -> Part:
     async with AsyncWorkerClient(address, timeout=600) as client:
+        await client.info()  # the channel is connected
 
         async def one() -> Stream:
             s = Stream(time.perf_counter())
@@ -117,13 +131,13 @@ async def grpc_phase(address: str, n: int, max_tokens: int) -> Phase:
                     s.tokens = d.usage.completion_tokens
             return s
 
+        await asyncio.to_thread(barrier.wait)
         t0, c0 = time.perf_counter(), time.process_time()
         streams = await asyncio.gather(*(one() for _ in range(n)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return Phase("gRPC, straight to the worker", list(streams), wall, cpu)
+        return Part(list(streams), t0, time.perf_counter(), time.process_time() - c0)
 
 
-async def http_phase(url: str, model: str, n: int, max_tokens: int) -> Phase:
+async def _http_part(url: str, model: str, n: int, max_tokens: int, barrier) -> Part:
     body = {
         "model": model,
         "prompt": PROMPT,
@@ -149,13 +163,33 @@ async def http_phase(url: str, model: str, n: int, max_tokens: int) -> Phase:
                         s.stamps.append(time.perf_counter())
             return s
 
-        # open the n connections first (as a long-running client holds them), so the streams reach
-        # the worker as fast as over the one gRPC channel
+        # open the connections first (as a long-running client holds them), so the streams reach
+        # the gateway as fast as they reach the worker over the gRPC channel
         await asyncio.gather(*(http.get(url + "/health") for _ in range(n)))
+        await asyncio.to_thread(barrier.wait)
         t0, c0 = time.perf_counter(), time.process_time()
         streams = await asyncio.gather(*(one() for _ in range(n)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return Phase("HTTP + SSE through the gateway", list(streams), wall, cpu)
+        return Part(list(streams), t0, time.perf_counter(), time.process_time() - c0)
+
+
+def _run_part(kind: str, args: tuple) -> Part:
+    return asyncio.run(_grpc_part(*args) if kind == "grpc" else _http_part(*args))
+
+
+def run_phase(kind: str, target: tuple, n: int, max_tokens: int, procs: int) -> Phase:
+    """n streams split over `procs` client processes that start together (one Python process
+    cannot parse 1,000 HTTP streams as fast as the servers produce them)."""
+    procs = max(1, min(procs, n))
+    shares = [n // procs + (i < n % procs) for i in range(procs)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        barrier = manager.Barrier(procs)
+        futures = [pool.submit(_run_part, kind, (*target, k, max_tokens, barrier)) for k in shares]
+        parts = [f.result() for f in futures]
+    name = "gRPC, straight to the worker" if kind == "grpc" else "HTTP + SSE through the gateway"
+    streams = [s for p in parts for s in p.streams]
+    wall = max(p.t1 for p in parts) - min(p.t0 for p in parts)
+    return Phase(name, streams, wall, sum(p.cpu_s for p in parts))
 
 
 def start(argv: list[str], **kw) -> subprocess.Popen:
@@ -209,7 +243,7 @@ def report(
     return "\n".join(
         [
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.streams} concurrent streams of "
-            f"{args.max_tokens} tokens ({setup})",
+            f"{args.max_tokens} tokens, {args.client_procs} client processes ({setup})",
             "",
             "| path | streams | tokens | wall | tokens/s | TTFT p50 / p99 ms | per-token gap p50 / p99 ms "
             "| client CPU | worker CPU |",
@@ -232,6 +266,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=1000, help="concurrent streams per path")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per stream (ignore_eos)")
+    p.add_argument("--client-procs", type=int, default=4, help="client processes sharing the streams")
     p.add_argument("--result-md", help="append the Markdown result here")
     args = p.parse_args()
     setup = machine()
@@ -259,15 +294,19 @@ def main() -> int:
             url = line.split(" on ", 1)[1].split("/v1", 1)[0]
             model_name = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
             # warm-up of both paths (connections, first compilations of the worker's shapes)
-            asyncio.run(grpc_phase(worker_address, 16, 4))
-            asyncio.run(http_phase(url, model_name, 16, 4))
+            run_phase("grpc", (worker_address,), 16, 4, args.client_procs)
+            run_phase("http", (url, model_name), 16, 4, args.client_procs)
             w0 = cpu_seconds(worker.pid)
-            grpc_result = asyncio.run(grpc_phase(worker_address, args.streams, args.max_tokens))
+            grpc_result = run_phase(
+                "grpc", (worker_address,), args.streams, args.max_tokens, args.client_procs
+            )
             grpc_result.worker_cpu_s = cpu_seconds(worker.pid) - w0
             print(f"gRPC done in {grpc_result.wall_s:.1f} s", flush=True)
             cpu0, w0 = cpu_seconds(gateway.pid), cpu_seconds(worker.pid)
             before = relay_buckets(url)
-            http_result = asyncio.run(http_phase(url, model_name, args.streams, args.max_tokens))
+            http_result = run_phase(
+                "http", (url, model_name), args.streams, args.max_tokens, args.client_procs
+            )
             gateway_cpu = cpu_seconds(gateway.pid) - cpu0
             after = relay_buckets(url)
             relay = (bucket_quantile(before, after, 0.5), bucket_quantile(before, after, 0.99))

@@ -1,6 +1,7 @@
 """The request body limit: an ASGI middleware that reads a body up to `max_bytes` before the app
 sees it and answers 413 in OpenAI's error shape past that, so no request makes the gateway buffer
-more (the per-field limits are the request models' and the handler's)."""
+more (the per-field limits are the request models' and the handler's). FastAPI's own `max_body_size`
+answers a declared oversize body in plain text, not in OpenAI's shape."""
 
 from __future__ import annotations
 

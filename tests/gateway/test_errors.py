@@ -81,6 +81,9 @@ def test_request_size_limits(start_gateway, gateway_worker) -> None:
     gw = start_gateway(worker=gateway_worker.address, max_body_bytes=4096, max_prompt_chars=100)
     r = httpx.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x" * 5000})
     assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
+    chunked = (b"x" * 1000 for _ in range(10))  # no Content-Length: refused while it is read
+    r = httpx.post(gw.url + "/v1/completions", content=chunked, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
     with openai_client(gw.url) as c, pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=ADAPTERS[0], prompt="x" * 101, max_tokens=2)
     assert "101 characters, over this server's limit of 100" in e.value.body["message"]
