@@ -1,18 +1,25 @@
-"""Seeded random GenerateRequests (odd prompts, chat messages, token ids, sampling values, n,
-logprobs, penalties, stop strings, adapter ids) against a real worker, many at once: each call ends OK or with a status the client can act
-on (never INTERNAL/UNKNOWN), and afterwards the worker is healthy with all KV blocks free."""
+"""Seeded random GenerateRequests (odd and extreme prompts, chat messages, token ids, sampling
+values, n, logprobs, penalties, stop lists, adapter ids, deadlines) against a real worker, many at
+once: each call ends OK or with a specific status the client can act on (never INTERNAL/UNKNOWN),
+health answers within 1 s all along (polled from another process) and after, the process's memory
+stays bounded, and afterwards every KV block is free."""
 
 from __future__ import annotations
 
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from tests.helpers.health import HealthProbe
 from tests.helpers.workers import stub_for
 
 CASES = 160
+# the largest prompt a client can send (gRPC's 4 MiB message limit) and other extremes
+_HUGE = "hello world, this is text. " * 140_000
+RSS_GROWTH_LIMIT = 512 << 20
 # each field is usually valid, sometimes odd, so that most requests run and the odd ones meet
 # a scheduler busy with the others
 _VALID = {
@@ -36,10 +43,10 @@ _ODD = {
     "temperature": [-0.1, -1e30, 1e30, float("nan"), float("inf"), 1e-45],
     "top_k": [-1, -(2**31), 2**31 - 1],
     "top_p": [-0.1, 1.5, float("nan"), float("inf"), 1e-45],
-    "text": ["", "\x00\x01", "🙂" * 20, "a" * 3000],
+    "text": ["", "\x00\x01", "🙂" * 20, "a" * 3000, "b" * 20_000, _HUGE],
     "token": [-3, 10**6, 2**31 - 1],
     "adapter": ["../x", "a" * 200, "no-such@" + "0" * 64, "bad@digest"],
-    "stop": ["", "a" * 500],
+    "stop": ["", "a" * 500, "s" * 5000],
     "stop_id": [-1, 2**31 - 1],
     "n": [-1, 9, 2**31 - 1],
     "top_logprobs": [-1, 21, 2**31 - 1],
@@ -53,6 +60,11 @@ def _pick(rng: random.Random, field: str, odd: float = 0.12):
     return rng.choice(_ODD[field] if rng.random() < odd else _VALID[field])
 
 
+def _count(rng: random.Random, usual: int, extreme: int) -> int:
+    """Usually 0..usual, sometimes `extreme` (past the worker's limit)."""
+    return extreme if rng.random() < 0.03 else rng.randint(0, usual)
+
+
 def _request(rng: random.Random):
     from loraserve.v1 import worker_pb2
 
@@ -61,8 +73,8 @@ def _request(rng: random.Random):
         temperature=_pick(rng, "temperature"),
         top_k=_pick(rng, "top_k"),
         top_p=_pick(rng, "top_p"),
-        stop=[_pick(rng, "stop") for _ in range(rng.randint(0, 2))],
-        stop_token_ids=[_pick(rng, "stop_id") for _ in range(rng.randint(0, 2))],
+        stop=[_pick(rng, "stop") for _ in range(_count(rng, 2, 40))],
+        stop_token_ids=[_pick(rng, "stop_id") for _ in range(_count(rng, 2, 40))],
         ignore_eos=rng.random() < 0.3,
         n=_pick(rng, "n", 0.04),
         presence_penalty=_pick(rng, "penalty", 0.04),
@@ -81,45 +93,60 @@ def _request(rng: random.Random):
     if kind < 0.4:
         req.prompt = _pick(rng, "text")
     elif kind < 0.75:
-        req.prompt_token_ids.extend(_pick(rng, "token") for _ in range(rng.randint(0, 12)))
+        count = _count(rng, 12, 300_000)  # up to a message of token ids past any limit
+        req.prompt_token_ids.extend(_pick(rng, "token") for _ in range(min(count, 12)))
+        req.prompt_token_ids.extend([5] * (count - min(count, 12)))
     if kind >= 0.7:  # chat (sometimes with a prompt too, which is refused)
-        for _ in range(rng.randint(0, 3)):
-            req.messages.add(role=_pick(rng, "role", 0.1), content=_pick(rng, "text"))
+        for _ in range(_count(rng, 3, 2000)):
+            req.messages.add(role=_pick(rng, "role", 0.1), content=_pick(rng, "text", 0.02))
         if rng.random() < 0.5:
             req.add_generation_prompt = rng.random() < 0.7
     return req
 
 
+def _rss() -> int:
+    """Resident bytes of this process (the worker runs in it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
 @pytest.mark.slow
 def test_random_requests_never_break_the_worker(start_worker) -> None:
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     bg = start_worker(max_queue_size=256)
     stub = stub_for(bg.address)
     rng = random.Random(2026)
     requests = [_request(rng) for _ in range(CASES)]
+    # deadlines from already expired to ample: some calls end while queued, prefilling or decoding
+    deadlines = [rng.choice([1e-4, 0.01, 0.2]) if rng.random() < 0.15 else 60.0 for _ in range(CASES)]
     bad = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
     def call(i: int) -> str:
         try:
             if i % 2:
-                stub.Generate(requests[i], timeout=60)
+                stub.Generate(requests[i], timeout=deadlines[i])
             else:
-                for _ in stub.GenerateStream(requests[i], timeout=60):
+                for _ in stub.GenerateStream(requests[i], timeout=deadlines[i]):
                     pass
             return "OK"
         except grpc.RpcError as exc:
-            assert exc.code() not in bad, (i, requests[i], exc.code(), exc.details())
+            assert exc.code() not in bad, (i, exc.code(), exc.details())
             assert exc.details(), (i, exc.code())
             return exc.code().name
 
-    with ThreadPoolExecutor(8) as pool:
+    rss_before = _rss()
+    with HealthProbe(bg.address) as probe, ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(call, range(CASES)))
-    assert outcomes.count("OK") > CASES // 5 and "INVALID_ARGUMENT" in outcomes, outcomes
-    with grpc.insecure_channel(bg.address) as ch:
-        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert outcomes.count("OK") > CASES // 6, outcomes
+    assert {"INVALID_ARGUMENT", "DEADLINE_EXCEEDED"} <= set(outcomes), outcomes
+    assert probe.latencies and max(probe.latencies) < 1.0, sorted(probe.latencies)[-5:]
+    assert _rss() - rss_before < RSS_GROWTH_LIMIT, (rss_before, _rss())
+    with HealthProbe(bg.address) as after:
+        pass
+    assert after.latencies and max(after.latencies) < 1.0, after.latencies
     deadline = time.monotonic() + 10
     while bg.engine.blocks.num_free_blocks != bg.engine.blocks.num_usable_blocks:
         assert time.monotonic() < deadline, "KV blocks leaked"
