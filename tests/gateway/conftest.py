@@ -9,11 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.gateway import ADAPTERS, API_KEY, openai_client, start_worker
 from tests.helpers.lora_store import StoreHandle, start_lora_store
-from tests.helpers.workers import worker_config
-
-ADAPTERS = ("peft-qv-r8", "peft-all-r16-rslora", "peft-patterns")
-API_KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="package")
@@ -23,20 +20,6 @@ def gateway_store(tiny_model_dir: Path, peft_root: Path, tmp_path_factory: pytes
         handle.register(name, name)
     yield handle
     handle.store.stop()  # type: ignore[attr-defined]
-
-
-def start_worker(tiny_model_dir: Path, store: StoreHandle, **overrides):
-    from loraserve.inference_worker.server import BackgroundWorker
-
-    base = dict(
-        store_address=store.address,
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-        num_kv_blocks=256,
-        max_loras=4,
-        max_cpu_loras=8,
-    )
-    return BackgroundWorker(worker_config(tiny_model_dir, **{**base, **overrides}))
 
 
 @pytest.fixture(scope="package")
@@ -84,12 +67,6 @@ def gateway(gateway_worker, gateway_store: StoreHandle):
     )
     yield gw
     gw.stop()
-
-
-def openai_client(url: str, api_key: str = API_KEY, **kw):
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from loraserve.clients.worker_client import WorkerClient
-from tests.gateway.conftest import ADAPTERS
+from tests.helpers.gateway import ADAPTERS
 
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import ADAPTERS, API_KEY, openai_client, start_worker
+from tests.helpers.gateway import ADAPTERS, API_KEY, openai_client, start_worker
 
 
 def _assert_error(exc: openai.APIStatusError, status: int, kind: str, words: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gateway.conftest import ADAPTERS, openai_client, start_worker
+from tests.helpers.gateway import ADAPTERS, openai_client, start_worker
 
 pytestmark = pytest.mark.redis
 

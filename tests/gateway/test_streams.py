@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import ADAPTERS, API_KEY
+from tests.helpers.gateway import ADAPTERS, API_KEY
 
 PROMPTS = ("Once upon a time", "The quick brown fox", "Hello world")
 
