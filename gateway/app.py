@@ -21,6 +21,7 @@ from loraserve.gateway.handler import RequestHandler
 from loraserve.gateway.limits import BodyLimit
 from loraserve.gateway.metrics import GatewayMetrics
 from loraserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList
+from loraserve.serving import tracing
 from loraserve.serving.bearer import check_bearer
 
 _AUTH_STATUS = {
@@ -39,6 +40,8 @@ def _adapter_model(info, base: str) -> Model:
 
 
 def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI:
+    if config.otlp_endpoint:
+        tracing.enable_otlp(config.otlp_endpoint, "loraserve-gateway")
     backend = backend or Backend(config)
     metrics = GatewayMetrics()
     handler = RequestHandler(config, backend, metrics)

@@ -21,6 +21,7 @@ from loraserve.clients.router import WorkerRouter, WorkerView, discover_workers
 from loraserve.clients.store_client import AsyncStoreClient
 from loraserve.clients.worker_client import AsyncWorkerClient, Delta, Generation
 from loraserve.gateway.config import GatewayConfig
+from loraserve.serving import tracing
 from loraserve.v1 import adapter_pb2
 
 log = logging.getLogger("loraserve.gateway")
@@ -50,7 +51,10 @@ class Backend:
         c = self._clients.get(address)
         if c is None:
             c = self._clients[address] = AsyncWorkerClient(
-                address, token=self.config.worker_token, timeout=self.config.request_timeout_s
+                address,
+                token=self.config.worker_token,
+                timeout=self.config.request_timeout_s,
+                interceptors=tracing.client_interceptors(),  # the worker continues the request's trace
             )
         return c
 

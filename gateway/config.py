@@ -30,6 +30,8 @@ _HELP = {
     "request_timeout_s": "deadline of one generation in seconds",
     "keep_alive_s": "seconds an idle client connection is kept open for its next request",
     "route_refresh_s": "seconds between reads of the fleet's residency and live workers",
+    "otlp_endpoint": "export OpenTelemetry traces over OTLP/gRPC to this URL, e.g. http://collector:4317 "
+    "(tracing is off when empty; needs the otlp extra)",
     "log_level": "logging level",
 }
 
@@ -53,6 +55,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     keep_alive_s: float = 75.0
     route_refresh_s: float = 2.0
+    otlp_endpoint: str = ""
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

@@ -30,6 +30,8 @@ from loraserve.gateway.metrics import GatewayMetrics
 from loraserve.gateway.requests import Plan, chat_plan, completion_plan
 from loraserve.gateway.responses import ChatChunks, CompletionChunks, chat_completion, completion
 from loraserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.serving import tracing
+from loraserve.serving.access_log import ACCESS_LOG
 
 log = logging.getLogger("loraserve.gateway")
 Endpoint = Literal["completions", "chat.completions"]
@@ -58,10 +60,27 @@ class RequestHandler:
     async def handle(
         self, request: Request, endpoint: Endpoint, body: CompletionRequest | ChatCompletionRequest
     ) -> Response:
+        """The request in a server span continuing the caller's `traceparent` header (while tracing
+        is on); the worker calls it makes carry it on. A stream's span ends at its first token."""
+        parent = tracing.extract(list(request.headers.items())) if tracing.enabled() else None
+        attributes = {"http.request.method": "POST", "http.route": f"/v1/{endpoint.replace('.', '/')}"}
+        with tracing.span(f"POST {attributes['http.route']}", attributes, parent=parent, server=True) as span:
+            response = await self._handle(request, endpoint, body)
+            tracing.annotate({"http.response.status_code": response.status_code}, span)
+            if response.status_code >= 500:
+                tracing.set_error(span, str(response.status_code))
+            return response
+
+    async def _handle(
+        self, request: Request, endpoint: Endpoint, body: CompletionRequest | ChatCompletionRequest
+    ) -> Response:
         start = time.perf_counter()
         status = 200
         self.metrics.in_flight.inc()
         streaming = False
+        client = request.client
+        line: dict = {"model": body.model, "stream": bool(body.stream)}
+        line["peer"] = f"{client.host}:{client.port}" if client is not None else ""
         try:
             base = await self.backend.base_model()
             plan = (
@@ -70,13 +89,14 @@ class RequestHandler:
                 else chat_plan(body, self.config, base)  # type: ignore[arg-type]
             )
             if plan.stream:
-                response = await self._stream(plan, endpoint, start)
+                response = await self._stream(plan, endpoint, start, line)
                 streaming = True  # the stream's own end records it
                 return response
             gen = await self._unless_disconnected(
                 request, self.backend.generate(plan.adapter_id, **plan.kwargs)
             )
             self.metrics.tokens.inc(gen.usage.completion_tokens)
+            line.update(tokens_in=gen.usage.prompt_tokens, tokens_out=gen.usage.completion_tokens)
             out = completion(plan, gen) if endpoint == "completions" else chat_completion(plan, gen)
             return JSONResponse(out.model_dump())
         except grpc.RpcError as exc:
@@ -92,12 +112,20 @@ class RequestHandler:
             return Response(status_code=CLIENT_CLOSED)
         finally:
             if not streaming:
-                self._done(endpoint, status, start)
+                self._done(endpoint, status, start, line)
 
-    def _done(self, endpoint: Endpoint, status: int, start: float) -> None:
+    def _done(self, endpoint: Endpoint, status: int, start: float, line: dict) -> None:
+        seconds = time.perf_counter() - start
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(endpoint, str(status)).inc()
-        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+        self.metrics.latency.labels(endpoint).observe(seconds)
+        fields = {
+            "service": "gateway",
+            "method": endpoint,
+            "status": status,
+            "total_ms": round(seconds * 1e3, 3),
+        }
+        ACCESS_LOG.info("%s %s", endpoint, status, extra={"fields": {**fields, **line}})
 
     async def _unless_disconnected(self, request: Request, call: Awaitable[Generation]) -> Generation:
         """The call's result, or ClientGone (the call cancelled) when the client leaves first."""
@@ -113,7 +141,7 @@ class RequestHandler:
             raise ClientGone()
         return task.result()
 
-    async def _stream(self, plan: Plan, endpoint: Endpoint, start: float) -> Response:
+    async def _stream(self, plan: Plan, endpoint: Endpoint, start: float, line: dict) -> Response:
         """Waits for the first delta, so a failure before any token (unknown model, overload) is an
         HTTP error; then streams the rest as server-sent events ending in `data: [DONE]`."""
         deltas = self.backend.stream(plan.adapter_id, **plan.kwargs)
@@ -124,7 +152,8 @@ class RequestHandler:
             raise
         chunks = CompletionChunks(plan) if endpoint == "completions" else ChatChunks(plan)
         self.metrics.ttft.observe(time.perf_counter() - start)
-        return EventSourceResponse(self._events(deltas, first, chunks, endpoint, start))
+        line["ttft_ms"] = round((time.perf_counter() - start) * 1e3, 3)
+        return EventSourceResponse(self._events(deltas, first, chunks, endpoint, start, line))
 
     async def _events(
         self,
@@ -133,6 +162,7 @@ class RequestHandler:
         chunks: CompletionChunks | ChatChunks,
         endpoint: Endpoint,
         start: float,
+        line: dict,
     ) -> AsyncIterator[bytes]:
         status = 200
         try:
@@ -145,6 +175,10 @@ class RequestHandler:
                     self.metrics.tokens.inc(len(delta.token_ids))
                     for chunk in chunks.delta(delta):  # type: ignore[attr-defined]
                         yield _sse(chunk)  # resumes once the HTTP server took the bytes
+                    if delta.usage is not None:
+                        line.update(
+                            tokens_in=delta.usage.prompt_tokens, tokens_out=delta.usage.completion_tokens
+                        )
                     if delta.usage is not None and chunks.plan.include_usage:
                         yield _sse(chunks.usage(delta.usage))
                     self.metrics.relay.observe(time.perf_counter() - arrived)
@@ -160,4 +194,4 @@ class RequestHandler:
             self.metrics.disconnects.inc()
             raise
         finally:
-            self._done(endpoint, status, start)
+            self._done(endpoint, status, start, line)
