@@ -66,7 +66,12 @@ class Bench:
         self.results: dict[str, object] = {
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "device": device_name(args.device),
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"},
+            # the run's settings, without this machine's paths and addresses
+            "config": {
+                k: v
+                for k, v in vars(args).items()
+                if k not in ("json", "workdir", "redis_server", "redis_url")
+            },
             "s_lora_ratio": round(S_LORA_RATIO, 4),
             "n": {},
         }

@@ -1,8 +1,9 @@
 """Plot bench_serving.py's JSON: throughput at saturation and p99 TTFT (at 50% / 80% of it) against
 the number of adapters N, and the p50 / p99 TTFT at 80% load by the tier each request's adapter
-was in when it arrived. Needs matplotlib (the `plots` extra).
+was in when it arrived. The saturation throughputs of further runs' JSON files are drawn as hollow
+markers. Needs matplotlib (the `plots` extra).
 
-    python benchmarks/plot_serving.py serving.json serving.png
+    python benchmarks/plot_serving.py serving.json serving.png [other-run.json ...]
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ TIERS = ("gpu", "cpu", "store")
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
+    if len(argv) < 2:
         print(__doc__)
         return 2
     import matplotlib
@@ -28,6 +29,14 @@ def main(argv: list[str]) -> int:
     ns = [int(n) for n, _ in rows]
     fig, (ax1, ax3) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.plot(ns, [r["saturation"]["request_throughput"] for _, r in rows], "o-", color="tab:blue")
+    for k, other in enumerate(argv[2:]):
+        more = json.loads(Path(other).read_text())["n"]
+        order = ", ".join(f"N={n}" for n in more)
+        xs = [int(n) for n in more]
+        ys = [r["saturation"]["request_throughput"] for r in more.values()]
+        ax1.plot(xs, ys, "o", mfc="none", ms=9, color="tab:blue", label=f"run {k + 2} (order {order})")
+    if argv[2:]:
+        ax1.legend(loc="lower right")
     ax1.set_xscale("log")
     ax1.set_xlabel("adapters N (Zipf 1.0)")
     ax1.set_ylabel("throughput at saturation (req/s)", color="tab:blue")
@@ -43,7 +52,7 @@ def main(argv: list[str]) -> int:
         )
     ax2.set_ylabel("p99 TTFT (ms)", color="tab:red")
     ax2.set_ylim(bottom=0)
-    ax2.legend(loc="upper left")
+    ax2.legend(loc="upper right")
     ax1.set_title("throughput and p99 TTFT vs N")
     width = 0.8 / len(TIERS)
     for k, tier in enumerate(TIERS):
