@@ -4,55 +4,16 @@ gets exactly its own adapter's delta (float64 oracle)."""
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 import torch
 
-from loraserve.adapter_store.optimize import optimize
-from loraserve.adapter_store.validate import LoraAdapter, LoraModule, scale_of
-from loraserve.contract.adapter_layout import GROUPS, MODULES, group_dims, module_shapes
+from loraserve.contract.adapter_layout import GROUPS, MODULES, group_dims
 from loraserve.contract.payload import PayloadTensor
 from loraserve.inference_worker.lora import AdapterPayload, LoRALayer, LoRASlots
 from loraserve.inference_worker.lora.slots import SlotLoadError
 from loraserve.kernels import LoRABatch
-
-
-@pytest.fixture(scope="module")
-def config(tiny_model_dir) -> dict:
-    return json.loads((tiny_model_dir / "config.json").read_text())
-
-
-def random_adapter(
-    config: dict, targets: dict[str, int], seed: int, layers=(0, 1), rslora=False
-) -> LoraAdapter:
-    g = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(config)
-    mods = {}
-    for layer in layers:
-        for m, r in targets.items():
-            n_in, n_out = shapes[m]
-            mods[(layer, m)] = LoraModule(
-                layer,
-                m,
-                r,
-                2.0 * r,
-                scale_of(2.0 * r, r, rslora),
-                torch.randn(r, n_in, generator=g),
-                torch.randn(n_out, r, generator=g),
-            )
-    return LoraAdapter(mods, max(targets.values()), 16.0, rslora)
-
-
-def payload_of(adapter: LoraAdapter, config: dict, name: str, dtype: str = "float32") -> AdapterPayload:
-    opt = optimize(adapter, config, dtype)
-    return AdapterPayload(
-        name,
-        opt.digest,
-        opt.rank,
-        opt.payload,
-        [PayloadTensor(t.name, t.shape, t.dtype, t.offset, t.nbytes) for t in opt.tensors],
-    )
+from tests.helpers.lora_payloads import payload_of, random_adapter
 
 
 def test_load_copies_payload_into_slot(config):

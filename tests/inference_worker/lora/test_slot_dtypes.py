@@ -4,7 +4,6 @@ could (into float16 from a wider range). Never rounded silently."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -12,12 +11,7 @@ import torch
 
 from loraserve.inference_worker.lora import LoRASlots
 from loraserve.inference_worker.lora.slots import SlotLoadError
-from tests.inference_worker.lora.test_lora_slots import payload_of, random_adapter
-
-
-@pytest.fixture(scope="module")
-def config(tiny_model_dir) -> dict:
-    return json.loads((tiny_model_dir / "config.json").read_text())
+from tests.helpers.lora_payloads import payload_of, random_adapter
 
 
 @pytest.mark.parametrize(
