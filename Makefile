@@ -22,8 +22,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Starts the store and a worker on the embedded default (tiny model, demo adapters,
-# local disk, in-process coordination) and prints a sample generation.
+# Starts the store, a worker and the OpenAI API on the embedded default (SmolLM2-135M-Instruct,
+# fetched once; a tiny random model without network), local disk, in-process coordination, and
+# prints the answers of the base model and the demo adapter.
 run: install
 	$(VENV)/bin/loraserve up --data-dir $(DEMO_DIR)
 

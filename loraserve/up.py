@@ -1,10 +1,13 @@
 """`loraserve up`: the system on its embedded default, in one process.
 
-Writes (once) a tiny random Llama and the demo PEFT adapters into --data-dir, starts the adapter
-store in-process (SQLite registry, local adapter root) and registers the demo adapters, starts an
-inference worker fetching from that store (in-process coordination) and the OpenAI-compatible HTTP
-API in front of them, prints a sample generation for the base model and each adapter, then serves
-until interrupted (--once: exit after that).
+The default model is the real SmolLM2-135M-Instruct, fetched once into --data-dir (`loraserve model
+fetch`, with a progress display) with the demo adapter `smollm2-pirate` (trained by
+scripts/train_demo_adapter.py, shipped in adapter_store/demo_adapters/); without network it falls
+back, saying so in one line, to `--model tiny`: a tiny random Llama and generated demo adapters.
+Starts the adapter store in-process (SQLite registry, local adapter root) and registers the demo
+adapters, starts an inference worker fetching from that store (in-process coordination) and the
+OpenAI-compatible HTTP API in front of them, prints sample answers of the base model and each
+adapter, then serves until interrupted (--once: exit after that).
 Each service is started by its own `start_*` function returning what it runs and its address.
 """
 
@@ -12,15 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.adapter_store.config import StoreConfig
-from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
+from loraserve.adapter_store.demo import write_demo_adapters
 from loraserve.adapter_store.server import BackgroundStore
 from loraserve.clients.cli_help import DefaultsHelpFormatter
 from loraserve.clients.store_cli import format_table
@@ -29,14 +34,20 @@ from loraserve.clients.worker_client import WorkerClient
 from loraserve.serving.ports import PortUnavailable
 
 SAMPLE_PROMPT = "Once upon a time"
+# the questions `up` asks the real model, answered by the base model and by each demo adapter
+SAMPLE_QUESTIONS = ("What is the capital of France?", "Give me one tip for staying healthy.")
+# the committed demo adapters of the real model (scripts/train_demo_adapter.py made them)
+SMOLLM2_ADAPTERS = ("smollm2-pirate",)
+MODELS = ("smollm2", "tiny")
 
 
 @dataclass(frozen=True)
 class EmbeddedDefault:
     data_dir: Path
-    model_dir: Path  # tiny Llama in HF layout
+    model_dir: Path  # the model in HF layout
     adapter_root: Path  # demo adapters, one directory each
     adapters: dict[str, Path]  # demo adapter id -> directory
+    chat: bool = False  # the samples are chat answers (a real instruct model), not text continuations
 
     @property
     def store_dir(self) -> Path:
@@ -54,6 +65,35 @@ def prepare_embedded_default(data_dir: str | Path) -> EmbeddedDefault:
     root = data / "adapters"
     adapters = write_demo_adapters(root, model_dir)
     return EmbeddedDefault(data, model_dir, root, adapters)
+
+
+def prepare_smollm2(data_dir: str | Path, show_progress: bool = True) -> EmbeddedDefault:
+    """SmolLM2 (fetched unless already there) and its demo adapters under data_dir/smollm2; raises
+    ModelFetchError when the model cannot be fetched."""
+    from loraserve.adapter_store import demo
+    from loraserve.inference_worker.model.fetch_cli import fetch
+
+    data = Path(data_dir).resolve() / "smollm2"
+    model_dir = fetch("smollm2", data / "model", show_progress=show_progress)
+    root = data / "adapters"
+    adapters = {}
+    for name in SMOLLM2_ADAPTERS:
+        shutil.copytree(Path(demo.__file__).parent / "demo_adapters" / name, root / name, dirs_exist_ok=True)
+        adapters[name] = root / name
+    return EmbeddedDefault(data, model_dir, root, adapters, chat=True)
+
+
+def prepare_model(model: str, data_dir: str | Path) -> EmbeddedDefault:
+    """The embedded default for `model`; SmolLM2 falls back to the tiny model, in one printed line,
+    when it cannot be fetched (no network)."""
+    if model == "smollm2":
+        from loraserve.inference_worker.model.catalog import ModelFetchError
+
+        try:
+            return prepare_smollm2(data_dir)
+        except ModelFetchError as exc:
+            print(f"SmolLM2 is unavailable, serving the tiny random model instead: {exc}")
+    return prepare_embedded_default(data_dir)
 
 
 def serving_dtype() -> str:
@@ -139,10 +179,42 @@ def sample_generations(
     return out
 
 
+def sample_chats(
+    worker_address: str, adapter_ids: Sequence[str], questions: Sequence[str], max_tokens: int = 64
+) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(question, [(adapter or "(base)", answer)]) for the base model and each adapter, greedy chat;
+    all requests at once, so the worker batches them."""
+
+    def ask(question: str, adapter_id: str) -> str:
+        msgs = [{"role": "user", "content": question}]
+        return w.generate(messages=msgs, adapter_id=adapter_id, max_tokens=max_tokens).text
+
+    names = ["", *adapter_ids]
+    with (
+        WorkerClient(worker_address, timeout=300) as w,
+        ThreadPoolExecutor(len(names) * len(questions)) as pool,
+    ):
+        answers = {(q, a): pool.submit(ask, q, a) for q in questions for a in names}
+        return [(q, [(a or "(base)", answers[q, a].result()) for a in names]) for q in questions]
+
+
 def register_demo_adapters(store_address: str, default: EmbeddedDefault, token: str | None = None) -> list:
     """Register (or re-register, idempotently) every demo adapter; returns their AdapterInfo."""
     with StoreClient(store_address, token=token) as client:
         return [client.register(name, name, overwrite=True) for name in default.adapters]
+
+
+def print_samples(worker_address: str, default: EmbeddedDefault) -> None:
+    if not default.chat:
+        print(f"\nsample generations (greedy, 16 tokens) for {SAMPLE_PROMPT!r}:")
+        for name, text in sample_generations(worker_address, list(default.adapters)):
+            print(f"  {name:<14} -> {text!r}")
+        return
+    print("\nsample chat answers (greedy, at most 64 tokens), the base model and each adapter:")
+    for question, answers in sample_chats(worker_address, list(default.adapters), SAMPLE_QUESTIONS):
+        print(f"\n  Q: {question}")
+        for name, text in answers:
+            print(f"  {name:<16} -> {text.strip()}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,6 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the store's read token, presented by the worker and the gateway (default: reads open; "
         "env LORASERVE_READ_TOKEN)",
     )
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="smollm2",
+        help="smollm2: the real SmolLM2-135M-Instruct (downloaded once); tiny: a tiny random Llama",
+    )
     parser.add_argument("--once", action="store_true", help="exit after setting up instead of serving")
     args = parser.parse_args(list(argv or []))
     try:
@@ -180,10 +258,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    default = prepare_embedded_default(args.data_dir)
+    default = prepare_model(args.model, args.data_dir)
     print(
-        f"embedded default in {default.data_dir}: model {default.model_dir.name}, "
-        f"{len(DEMO_ADAPTERS)} demo adapters"
+        f"embedded default in {default.data_dir}: model {default.model_dir}, "
+        f"{len(default.adapters)} demo adapter(s)"
     )
     store = start_store(default, args.host, args.store_port, read_token=args.read_token)
     worker = gateway = None
@@ -197,9 +275,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"inference worker on {worker.address}")
         with WorkerClient(worker.address, timeout=30) as w:
             base_model = w.info().model
-        print(f"\nsample generations (greedy, 16 tokens) for {SAMPLE_PROMPT!r}:")
-        for name, text in sample_generations(worker.address, list(default.adapters)):
-            print(f"  {name:<14} -> {text!r}")
+        print_samples(worker.address, default)
         gateway = start_gateway(store.address, worker.address, args.host, args.openai_port, args.read_token)
         adapter = next(iter(default.adapters))
         print(f"OpenAI-compatible API on {gateway.url}/v1 (model: an adapter id, or {base_model!r})")

