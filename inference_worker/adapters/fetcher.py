@@ -88,6 +88,10 @@ class AdapterFetcher:
     def take_failure(self, seq_key: int) -> WorkerError | None:
         return self._failed.pop(seq_key, None)
 
+    def has_failed(self, seq_key: int) -> bool:
+        """A fetch the sequence waited for failed; it learns why at its next admission attempt."""
+        return seq_key in self._failed
+
     def forget(self, seq_key: int) -> None:
         """The sequence left (finished, cancelled): stop tracking it."""
         self._failed.pop(seq_key, None)

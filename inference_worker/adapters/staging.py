@@ -44,7 +44,7 @@ class AheadOfNeed:
     # ------------------------------------------------------------------ step thread
     def look_ahead(self, waiting: Iterable[tuple[int, str]]) -> None:
         """`waiting`: (sequence key, adapter reference) of the queued requests in arrival order."""
-        order: dict[AdapterRef, int] = {}  # distinct adapters, by first position
+        order: dict[AdapterRef, list[int]] = {}  # distinct adapters by first position -> their sequences
         positions: dict[int, int] = {}
         for pos, (seq_key, adapter) in enumerate(itertools.islice(waiting, self.window)):
             if not adapter:
@@ -53,18 +53,20 @@ class AheadOfNeed:
                 ref = AdapterRef.parse(adapter)
             except WorkerError:
                 continue  # refused at submission already
-            order.setdefault(ref, pos)
+            order.setdefault(ref, []).append(seq_key)
             positions[seq_key] = pos
         pool = self.pool
         with pool.lock:
-            pool.wanted = {ref.adapter_id: pos for ref, pos in reversed(order.items())}
+            pool.wanted = {ref.adapter_id: positions[keys[0]] for ref, keys in reversed(order.items())}
             pool.queue_pos = positions
-            for ref in order:
-                if not self._stage(ref):
+            for ref, keys in order.items():
+                if not self._stage(ref, keys):
                     break
 
-    def _stage(self, ref: AdapterRef) -> bool:
-        """Bring `ref` one tier closer (under the state lock); False when no more fetches may start."""
+    def _stage(self, ref: AdapterRef, waiters: list[int]) -> bool:
+        """Bring `ref` one tier closer (under the state lock); False when no more fetches may start.
+        A failed fetch is recorded for the `waiters`, which fail with it at admission, and is not
+        retried for them meanwhile."""
         pool = self.pool
         key = pool.versions.resolve(ref)
         if key is not None:
@@ -80,12 +82,17 @@ class AheadOfNeed:
                     except (RuntimeError, ValueError) as exc:  # admission retries and reports it
                         log.warning("look-ahead could not stage %s: %s", key, exc)
                 return True
-        if ref in pool.fetcher.flights:
+        flight = pool.fetcher.flights.get(ref)
+        if flight is not None:
+            flight.waiters.update(waiters)
+            return True
+        if any(pool.fetcher.has_failed(k) for k in waiters):
             return True
         if len(pool.fetcher.flights) >= self.max_fetches:
             return False
         try:
-            pool.fetcher.fetch(ref)
+            for k in waiters:
+                pool.fetcher.fetch(ref, k)
         except WorkerError:
             return False  # no store or no event loop: admission reports it
         self.num_fetched_ahead += 1

@@ -11,6 +11,7 @@ import pytest
 from loraserve.inference_worker.adapters import AdapterRef
 from loraserve.inference_worker.adapters.staging import AheadOfNeed
 from loraserve.inference_worker.coordination import InProcessCoordinator
+from loraserve.inference_worker.errors import WorkerError
 
 
 def eventually(check, timeout: float = 20.0):
@@ -97,6 +98,24 @@ def test_look_ahead_is_bounded(harness):
     assert ahead.num_fetched_ahead == 1 and len(h.pool.fetcher.flights) <= 1  # fetches in flight
     with pytest.raises(ValueError, match="look-ahead window"):
         AheadOfNeed(h.pool, window=8)
+
+
+def test_a_failed_look_ahead_fetch_fails_its_requests_once(harness):
+    h = harness(max_loras=1, max_cpu_loras=4, lookahead=2)
+    queue = [(1, "no-such-adapter"), (2, "no-such-adapter")]
+    h.adapters.ahead.look_ahead(queue)
+    eventually(lambda: h.pool.fetcher.has_failed(1) and h.pool.fetcher.has_failed(2))
+    for _ in range(5):  # later steps do not ask the store again while the failure waits
+        h.adapters.ahead.look_ahead(queue)
+    assert h.adapters.ahead.num_fetched_ahead == 1
+    assert (
+        h.pool.metrics.value("loraserve_worker_adapter_loads_total", {"tier": "cpu", "result": "not_found"})
+        == 1
+    )
+    for seq_key in (1, 2):  # each request fails with the store's answer at admission
+        with pytest.raises(WorkerError) as e:
+            h.acquire(seq_key, "no-such-adapter")
+        assert e.value.code == "NOT_FOUND"
 
 
 def test_prefetch_fills_free_cpu_room_only(harness):
