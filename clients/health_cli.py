@@ -1,7 +1,7 @@
 """`loraserve health`: asks a server's standard health service (grpc.health.v1) whether it serves.
 Container health checks run it (the images carry no grpc_health_probe binary).
 
-    loraserve health HOST:PORT [--service NAME] [--timeout S] [--tls] [--ca-cert PEM]
+    loraserve health HOST:PORT [--service NAME] [--timeout S] [--tls] [--tls-ca PEM] [--json]
 
 Exit status: 0 SERVING; 1 any other answer (NOT_SERVING while starting or draining, or a service
 name the server does not know); 2 bad usage; 3 no answer (unreachable, deadline exceeded).
@@ -17,6 +17,7 @@ import grpc
 
 from loraserve.clients.channel import open_channel
 from loraserve.clients.cli_help import DefaultsHelpFormatter
+from loraserve.clients.cli_options import add_json_arg, add_tls_args, print_json
 
 SERVING, NOT_SERVING, USAGE, NO_ANSWER = 0, 1, 2, 3
 
@@ -34,8 +35,8 @@ def health_main(argv: Sequence[str] | None = None) -> int:
         help="service to ask about, e.g. loraserve.v1.AdapterStore (default: the whole server)",
     )
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
-    parser.add_argument("--tls", action="store_true", help="connect with TLS")
-    parser.add_argument("--ca-cert", default=None, help="PEM root certificate(s) to trust (implies --tls)")
+    add_tls_args(parser)
+    add_json_arg(parser)
     args = parser.parse_args(list(argv or []))
     if args.timeout <= 0:
         parser.error("--timeout must be > 0")
@@ -47,7 +48,7 @@ def health_main(argv: Sequence[str] | None = None) -> int:
         )
         return USAGE
     target = f"{args.address} {args.service}".rstrip()
-    with open_channel(args.address, tls=args.tls, root_certificates=args.ca_cert) as channel:
+    with open_channel(args.address, tls=args.tls, root_certificates=args.tls_ca) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
@@ -57,5 +58,8 @@ def health_main(argv: Sequence[str] | None = None) -> int:
             # NOT_FOUND: the server answered, it just does not know that service name
             return NOT_SERVING if exc.code() == grpc.StatusCode.NOT_FOUND else NO_ANSWER
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{target}: {status}")
+    if args.json:
+        print_json({"address": args.address, "service": args.service, "status": status})
+    else:
+        print(f"{target}: {status}")
     return SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING

@@ -85,6 +85,7 @@ class WorkerRouter:
         token: str | None = None,
         tls_ca: str | None = None,
         timeout: float | None = None,
+        tls: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not addresses:
@@ -92,7 +93,7 @@ class WorkerRouter:
         self.refresh_s, self.down_s, self._clock = refresh_s, down_s, clock
         self._lock = threading.Lock()
         self.workers = [
-            WorkerView(a, WorkerClient(a, token=token, tls_ca=tls_ca, timeout=timeout))
+            WorkerView(a, WorkerClient(a, token=token, tls_ca=tls_ca, timeout=timeout, tls=tls))
             for a in dict.fromkeys(addresses)
         ]
 

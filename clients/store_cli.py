@@ -9,7 +9,6 @@ The address defaults to LORASERVE_STORE (else 127.0.0.1:50051) and the token to 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from google.protobuf.json_format import MessageToDict
 
 from loraserve.clients import tables
 from loraserve.clients.cli_help import DefaultsHelpFormatter
+from loraserve.clients.cli_options import add_json_arg, add_tls_args, print_json, progress
 from loraserve.clients.store_client import StoreClient
 from loraserve.v1 import adapter_pb2
 
@@ -43,16 +43,14 @@ def _connection_args(parser: argparse.ArgumentParser, suppress: bool = False) ->
         help="bearer token: the store's admin token (register, delete, and every read), or its read "
         "token for list and show (env LORASERVE_ADMIN_TOKEN)",
     )
-    parser.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
-    parser.add_argument(
-        "--ca-cert", default=default(None), help="PEM root certificate(s) to trust (implies --tls)"
-    )
+    add_tls_args(parser, suppress)
+    add_json_arg(parser, suppress)
     parser.add_argument("--timeout", type=float, default=default(120.0), help="seconds per call")
 
 
 def _client(args: argparse.Namespace) -> StoreClient:
     return StoreClient(
-        args.store, token=args.token, tls=args.tls, root_certificates=args.ca_cert, timeout=args.timeout
+        args.store, token=args.token, tls=args.tls, root_certificates=args.tls_ca, timeout=args.timeout
     )
 
 
@@ -80,9 +78,14 @@ def register_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv or []))
     try:
         with _client(args) as store:
-            info = store.register(args.adapter_id, args.source, args.overwrite)
+            # the store reads, validates and optimizes the checkpoint before it answers
+            with progress(f"registering {args.adapter_id} (read, validate, optimize)"):
+                info = store.register(args.adapter_id, args.source, args.overwrite)
     except grpc.RpcError as exc:
         return _fail(exc)
+    if args.json:
+        print_json(info_dict(info))
+        return 0
     print(
         f"registered {info.adapter_id}: rank {info.rank}, {', '.join(info.target_modules)}, "
         f"{info.size_bytes} bytes {info.dtype}, digest {info.digest}"
@@ -118,7 +121,7 @@ def adapters_main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="action")
     p_list = sub.add_parser("list", help="list every adapter (default)")
     p_list.add_argument("--page-size", type=int, default=0)
-    p_show = sub.add_parser("show", help="show one adapter as JSON")
+    p_show = sub.add_parser("show", help="show one adapter (JSON)")
     p_show.add_argument("adapter_id", metavar="ID")
     p_delete = sub.add_parser("delete", help="delete an adapter")
     p_delete.add_argument("adapter_id", metavar="ID")
@@ -129,13 +132,19 @@ def adapters_main(argv: Sequence[str] | None = None) -> int:
         with _client(args) as store:
             if args.action in (None, "list"):
                 infos = list(store.list(getattr(args, "page_size", 0)))
-                print(format_table(infos))
-                print(f"{len(infos)} adapter(s)")
-            elif args.action == "show":
-                print(json.dumps(info_dict(store.get(args.adapter_id)), indent=2))
+                if args.json:
+                    print_json([info_dict(i) for i in infos])
+                else:
+                    print(format_table(infos))
+                    print(f"{len(infos)} adapter(s)")
+            elif args.action == "show":  # JSON with or without --json
+                print_json(info_dict(store.get(args.adapter_id)))
             else:
                 info = store.delete(args.adapter_id)
-                print(f"deleted {info.adapter_id} (digest {info.digest})")
+                if args.json:
+                    print_json(info_dict(info))
+                else:
+                    print(f"deleted {info.adapter_id} (digest {info.digest})")
     except grpc.RpcError as exc:
         return _fail(exc)
     return 0

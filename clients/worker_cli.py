@@ -5,6 +5,7 @@ adapters: list, load, unload, pin, unpin)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -12,8 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
 from loraserve.clients.cli_help import DefaultsHelpFormatter
+from loraserve.clients.cli_options import add_json_arg, add_tls_args, print_json
 from loraserve.clients.router import WorkerRouter, discover_workers
 from loraserve.clients.tables import format_table
 from loraserve.clients.worker_client import Completion, WorkerClient
@@ -125,7 +128,8 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         "--repetition-penalty", type=float, default=1.0, help="Hugging Face repetition penalty (> 0)"
     )
     p.add_argument("--token", default=os.environ.get("LORASERVE_GENERATE_TOKEN"), help="bearer token")
-    p.add_argument("--tls-ca", default=None, help="PEM CA bundle for a TLS worker")
+    add_tls_args(p)
+    add_json_arg(p)
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--usage", action="store_true", help="print token counts and timings at the end")
     args = p.parse_args(list(argv or []))
@@ -164,12 +168,14 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     prompt = None if args.chat else args.prompt
     try:
         client = (
-            WorkerClient(addresses[0], token=args.token, tls_ca=args.tls_ca)
+            WorkerClient(addresses[0], token=args.token, tls_ca=args.tls_ca, tls=args.tls)
             if len(addresses) == 1
-            else WorkerRouter(addresses, token=args.token, tls_ca=args.tls_ca)
+            else WorkerRouter(addresses, token=args.token, tls_ca=args.tls_ca, tls=args.tls)
         )
         with client:
-            if args.n == 1 and not kw["logprobs"]:  # stream one completion to the terminal
+            if args.json:  # the whole generation: completions, token ids, logprobs, usage
+                print_json(dataclasses.asdict(client.generate(prompt, **kw)))
+            elif args.n == 1 and not kw["logprobs"]:  # stream one completion to the terminal
                 for delta in client.generate_stream(prompt, **kw):
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
@@ -233,6 +239,12 @@ def format_residency(adapters: Sequence[worker_pb2.WorkerAdapter]) -> str:
     return format_table(header, rows)
 
 
+def _adapter_dict(a: worker_pb2.WorkerAdapter) -> dict:
+    out = MessageToDict(a, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    out["tier"] = _TIER_NAMES.get(a.tier, "")
+    return out
+
+
 def slots_main(argv: Sequence[str] | None = None) -> int:
     """`loraserve slots`: what one worker holds, and the admin verbs that change it."""
     p = argparse.ArgumentParser(
@@ -249,23 +261,35 @@ def slots_main(argv: Sequence[str] | None = None) -> int:
         help="worker address host:port",
     )
     p.add_argument("--token", default=os.environ.get("LORASERVE_ADMIN_TOKEN"), help="admin bearer token")
-    p.add_argument("--tls-ca", default=None, help="PEM CA bundle for a TLS worker")
+    add_tls_args(p)
+    add_json_arg(p)
     p.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
     args = p.parse_args(list(argv or []))
     if args.action != "list" and not args.adapter_id:
         p.error(f"{args.action} needs an adapter ID")
     try:
-        with WorkerClient(args.worker, admin_token=args.token, tls_ca=args.tls_ca, timeout=args.timeout) as w:
+        with WorkerClient(
+            args.worker, admin_token=args.token, tls_ca=args.tls_ca, tls=args.tls, timeout=args.timeout
+        ) as w:
+            if args.action == "unload":
+                unloaded = w.unload_adapter(args.adapter_id)
+                if args.json:
+                    print_json({"adapter_id": args.adapter_id, "unloaded": unloaded})
+                else:
+                    print(f"{args.adapter_id}: {'unloaded' if unloaded else 'not held'}")
+                return 0
             if args.action == "list":
                 held = w.list_adapters()
-                print(format_residency(held))
-                print(f"{len(held)} adapter(s)")
             elif args.action == "load":
-                print(format_residency([w.load_adapter(args.adapter_id, args.tier)]))
-            elif args.action == "unload":
-                print(f"{args.adapter_id}: {'unloaded' if w.unload_adapter(args.adapter_id) else 'not held'}")
+                held = [w.load_adapter(args.adapter_id, args.tier)]
             else:
-                print(format_residency([w.pin_adapter(args.adapter_id, args.action == "pin")]))
+                held = [w.pin_adapter(args.adapter_id, args.action == "pin")]
+            if args.json:
+                print_json([_adapter_dict(a) for a in held])
+            else:
+                print(format_residency(held))
+                if args.action == "list":
+                    print(f"{len(held)} adapter(s)")
     except grpc.RpcError as exc:
         print(f"loraserve slots: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

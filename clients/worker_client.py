@@ -219,11 +219,12 @@ class _Base:
         tls_ca: str | None = None,
         timeout: float | None = None,
         interceptors: Sequence[Any] = (),
+        tls: bool = False,
     ) -> None:
         self._token, self._admin_token, self.timeout = token, admin_token, timeout
         # interceptors: grpc.aio client interceptors (the asyncio client only), e.g. trace propagation
         extra = {"interceptors": interceptors} if interceptors else {}
-        self.channel = self._open(address, root_certificates=tls_ca, **extra)
+        self.channel = self._open(address, tls=tls, root_certificates=tls_ca, **extra)
         self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
 
     def _md(self, admin: bool = False) -> tuple[tuple[str, str], ...] | None:

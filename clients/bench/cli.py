@@ -29,6 +29,7 @@ from loraserve.clients.bench.workload import (
     load_prompts,
 )
 from loraserve.clients.cli_help import DefaultsHelpFormatter
+from loraserve.clients.cli_options import add_tls_args
 from loraserve.clients.router import discover_workers
 
 
@@ -68,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key of the OpenAI endpoint"
     )
     t.add_argument("--token", default=os.environ.get("LORASERVE_GENERATE_TOKEN"), help="worker bearer token")
-    t.add_argument("--tls-ca", default=None, help="PEM CA bundle for TLS workers")
+    add_tls_args(t)
 
     load = p.add_argument_group("load")
     load.add_argument(
@@ -147,8 +148,8 @@ def build_target(args: argparse.Namespace) -> Target:
     if not addresses:
         raise TargetError("no live worker", args.redis_url or args.worker)
     if len(addresses) == 1 and not args.redis_url:
-        return WorkerTarget(addresses[0], sampling, token=args.token, tls_ca=args.tls_ca)
-    return RouterTarget(addresses, sampling, token=args.token, tls_ca=args.tls_ca)
+        return WorkerTarget(addresses[0], sampling, token=args.token, tls_ca=args.tls_ca, tls=args.tls)
+    return RouterTarget(addresses, sampling, token=args.token, tls_ca=args.tls_ca, tls=args.tls)
 
 
 def build_spec(args: argparse.Namespace, vocab_size: int | None) -> WorkloadSpec:

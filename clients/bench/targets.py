@@ -70,10 +70,12 @@ def _rpc_error(exc: grpc.aio.AioRpcError) -> TargetError:
 class WorkerTarget:
     """One worker over gRPC (GenerateStream)."""
 
-    def __init__(self, address: str, sampling: Sampling, *, token: str | None = None, tls_ca=None) -> None:
+    def __init__(
+        self, address: str, sampling: Sampling, *, token: str | None = None, tls_ca=None, tls: bool = False
+    ) -> None:
         self.address, self.sampling = address, sampling
         self.description = f"worker {address}"
-        self.client = AsyncWorkerClient(address, token=token, tls_ca=tls_ca)
+        self.client = AsyncWorkerClient(address, token=token, tls_ca=tls_ca, tls=tls)
 
     async def start(self) -> None:
         try:
@@ -109,12 +111,19 @@ class RouterTarget:
     and the request tried on the next candidate, as the router does."""
 
     def __init__(
-        self, addresses: Sequence[str], sampling: Sampling, *, token: str | None = None, tls_ca=None
+        self,
+        addresses: Sequence[str],
+        sampling: Sampling,
+        *,
+        token: str | None = None,
+        tls_ca=None,
+        tls: bool = False,
     ) -> None:
         self.sampling = sampling
-        self.router = WorkerRouter(addresses, token=token, tls_ca=tls_ca)
+        self.router = WorkerRouter(addresses, token=token, tls_ca=tls_ca, tls=tls)
         self.clients = {
-            w.address: AsyncWorkerClient(w.address, token=token, tls_ca=tls_ca) for w in self.router.workers
+            w.address: AsyncWorkerClient(w.address, token=token, tls_ca=tls_ca, tls=tls)
+            for w in self.router.workers
         }
         self.description = f"router over {len(self.clients)} worker(s)"
 

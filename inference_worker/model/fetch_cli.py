@@ -4,6 +4,7 @@ a Hugging Face directory with a progress display (rich) while it downloads and c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loraserve.clients.cli_help import DefaultsHelpFormatter
+from loraserve.clients.cli_options import add_json_arg, print_json
 from loraserve.inference_worker.model.catalog import CATALOG, FetchProgress, ModelFetchError, fetch_model
 
 
@@ -84,13 +86,17 @@ def model_main(argv: Sequence[str] | None = None) -> int:
         description="Real models from the catalog.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list the catalog")
+    list_p = sub.add_parser("list", help="list the catalog")
+    add_json_arg(list_p)
     fetch_p = sub.add_parser("fetch", help="download and convert a model into a Hugging Face directory")
     fetch_p.add_argument("name", help=f"catalog name ({', '.join(sorted(CATALOG))})")
     fetch_p.add_argument("--out", required=True, help="the directory to write (reused when complete)")
     fetch_p.add_argument("--quiet", action="store_true", help="no progress display")
     args = parser.parse_args(list(argv or []))
     if args.command == "list":
+        if args.json:
+            print_json([dataclasses.asdict(m) for m in CATALOG.values()])
+            return 0
         for m in CATALOG.values():
             print(f"{m.name:<10} {m.requirement:<22} {m.license:<11} {m.description}")
         return 0

@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-from tests.gateway.conftest import start_worker
+from tests.helpers.gateway import start_worker
 from tests.helpers.tracing import wait_for_spans
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

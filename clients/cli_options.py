@@ -1,0 +1,68 @@
+"""Options and output every client command shares, named once: `--tls` / `--tls-ca` to reach a
+TLS server, `--json` for machine-readable output, and a progress display on the terminal.
+
+Exit statuses of the client commands (docs/operations.md lists them all): 0 done, 1 the server
+answered with an error (or none could be reached), 2 bad usage (argparse's), 3 no answer from
+`loraserve health`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+OK, FAILED, USAGE, NO_ANSWER = 0, 1, 2, 3
+
+
+def add_tls_args(parser: argparse.ArgumentParser | Any, suppress: bool = False) -> None:
+    """--tls (verify with the system's roots) and --tls-ca PEM (verify with these; implies --tls).
+    `suppress` leaves the defaults to a parent parser (options repeated on subcommands)."""
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=argparse.SUPPRESS if suppress else False,
+        help="connect with TLS",
+    )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=argparse.SUPPRESS if suppress else None,
+        help="PEM CA bundle to verify the server's certificate with (implies --tls)",
+    )
+
+
+def add_json_arg(parser: argparse.ArgumentParser | Any, suppress: bool = False) -> None:
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS if suppress else False,
+        help="print JSON instead of a table or text",
+    )
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=False))
+
+
+@contextmanager
+def progress(description: str) -> Iterator[None]:
+    """A spinner with the elapsed time on stderr while the block runs, when stderr is a terminal
+    and rich is installed (it comes with the server extra; the thin client shows nothing)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    except ImportError:
+        yield
+        return
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True)
+    ) as bar:
+        bar.add_task(description, total=None)
+        yield
