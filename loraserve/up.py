@@ -217,6 +217,20 @@ def print_samples(worker_address: str, default: EmbeddedDefault) -> None:
             print(f"  {name:<16} -> {text.strip()}")
 
 
+def print_try_lines(worker_address: str, api_url: str, adapter: str, chat: bool) -> None:
+    """A command line and a curl call to try next: chat for an instruct model, else a completion."""
+    if chat:
+        print(
+            f"\ntry: loraserve generate --worker {worker_address} --adapter {adapter} --chat 'Why is the sky blue?'"
+        )
+        body = f'''{{"model": "{adapter}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'''
+        print(f"     curl {api_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+        return
+    print(f"\ntry: loraserve generate --worker {worker_address} --adapter {adapter} 'Hello world'")
+    body = f'''{{"model": "{adapter}", "prompt": "Hello world", "max_tokens": 16}}'''
+    print(f"     curl {api_url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
@@ -279,11 +293,7 @@ def _up(args: argparse.Namespace) -> int:
         gateway = start_gateway(store.address, worker.address, args.host, args.openai_port, args.read_token)
         adapter = next(iter(default.adapters))
         print(f"OpenAI-compatible API on {gateway.url}/v1 (model: an adapter id, or {base_model!r})")
-        print(f"\ntry: loraserve generate --worker {worker.address} --adapter {adapter} 'Hello world'")
-        print(
-            f"     curl {gateway.url}/v1/completions -H 'Content-Type: application/json' "
-            f"""-d '{{"model": "{adapter}", "prompt": "Hello world", "max_tokens": 16}}'"""
-        )
+        print_try_lines(worker.address, gateway.url, adapter, default.chat)
         if not args.once:
             print("serving; Ctrl-C to stop")
             stop = threading.Event()
