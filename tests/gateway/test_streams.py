@@ -111,3 +111,30 @@ def test_whole_response_disconnect_frees_the_sequence(gateway, gateway_worker) -
     _wait_for(lambda: _cancelled(gateway_worker, "Generate") == before + 1)
     _wait_for(lambda: engine.num_running == 0 and engine.num_waiting == 0)
     _wait_for(lambda: gone._value.get() == gone_before + 1)  # seen as a disconnect, not an error
+
+
+def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_event(
+    tiny_model_dir, gateway_store, start_gateway
+) -> None:
+    from tests.gateway.conftest import openai_client, start_worker
+
+    worker = start_worker(tiny_model_dir, gateway_store)
+    gw = start_gateway(worker=worker.address)
+    with openai_client(gw.url) as c:
+        stream = c.completions.create(
+            model=ADAPTERS[0],
+            prompt="Once upon a time",
+            max_tokens=2000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)
+        worker.stop()  # the worker goes away mid-stream
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        # the gateway's error event (the openai client raises it), not a dropped connection
+        assert not isinstance(e.value, openai.APIConnectionError), repr(e.value)
+        assert e.value.body is not None and e.value.body.get("type"), e.value.body
