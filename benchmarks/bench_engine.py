@@ -30,6 +30,7 @@ from loraserve.inference_worker.engine.model_runner import kv_bytes_per_block
 from loraserve.inference_worker.engine.sequence import SamplingParams
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.model.llama import LlamaModel
+from loraserve.inference_worker.model.tiny import word_tokenizer
 
 SHAPES = {
     "llama-3.2-1b": dict(
@@ -61,16 +62,6 @@ SHAPES = {
 PROMPT_LEN = 128
 STEPS = 32
 REPS = 5  # rounds of [STEPS engine steps; STEPS replays of the same step's graph], interleaved
-
-
-class _Tokenizer:
-    """Stand-in detokenizer with the `tokenizers` interface (random models have no vocabulary)."""
-
-    def encode(self, text: str):
-        raise NotImplementedError
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(0x4E00 + i % 20000) for i in ids)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -133,7 +124,7 @@ def bench_model(
     t0 = time.perf_counter()
     engine = LLMEngine(
         model,
-        _Tokenizer(),
+        word_tokenizer(cfg.vocab_size),
         EngineConfig(
             max_num_seqs=max_b,
             max_model_len=max_len,

@@ -40,9 +40,11 @@ from loraserve.inference_worker.builder import build_adapters
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.sequence import SamplingParams
+from loraserve.inference_worker.lora.layer import LoRALayer
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.model.llama import LlamaModel
+from loraserve.inference_worker.model.tiny import word_tokenizer
 from loraserve.kernels import LaunchOptions
 from loraserve.kernels.launch_options import pdl_supported
 from tests.helpers.adapter_sources import AdaptersRunning, PayloadSource
@@ -105,13 +107,6 @@ def hf_config(shape: str) -> dict:
         "attention_bias": False,
         **SHAPES[shape],
     }
-
-
-class NullTokenizer:
-    """Random weights have no vocabulary: decode to nothing (the benchmark counts tokens)."""
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return ""
 
 
 def make_payload(cfg: dict, i: int) -> AdapterPayload:
@@ -273,10 +268,14 @@ def bind(engine: LLMEngine) -> None:
         layer.self_attn.k_cache, layer.self_attn.v_cache = kv[i, 0], kv[i, 1]
 
 
-def set_launch_options(model: LlamaModel, options: LaunchOptions) -> None:
+def set_launch_options(
+    model: LlamaModel, options: LaunchOptions, side_stream: torch.cuda.Stream | None = None
+) -> None:
+    """Launch options of every LoRA layer, and the stream its shrink runs on beside the base
+    GEMM (None: shrink and expand together after the GEMM)."""
     for module in model.grouped_linears().values():
-        if module.lora is not None:
-            module.lora.options = options
+        if isinstance(module.lora, LoRALayer):
+            module.lora.options, module.lora.side_stream = options, side_stream
 
 
 def interleaved_decode(
@@ -340,24 +339,28 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     )
     r: dict = {"adapter_mb": payloads[0].nbytes / 1e6}
     vocab = cfg["vocab_size"]
+    tokenizer = word_tokenizer(vocab)  # random weights have no vocabulary: token i is the word w{i}
     default = LaunchOptions.for_device(dev)
     r["default_options"] = dataclasses.asdict(default)
 
     # correctness: graph replays with LoRA == eager steps with LoRA; adapters change the output.
     ids8 = ["", "bench-0", "bench-1", "bench-2", "", "bench-0", "bench-3", "bench-4"]
-    eager = LLMEngine(model, NullTokenizer(), engine_config(graphs=False), adapters)
+    eager = LLMEngine(model, tokenizer, engine_config(graphs=False), adapters)
     eager_tokens = tokens_of(eager, ids8, vocab)
     del eager
     # one process, one model: a base engine (no adapter manager) and a LoRA engine per launch
     # variant, each with its own KV cache and graphs (captured with that variant's launches)
-    engines = {"base": LLMEngine(model, NullTokenizer(), engine_config())}
+    engines = {"base": LLMEngine(model, tokenizer, engine_config())}
     engines["base"].runner.capture_graphs()
-    variants = {"default": default}
+    side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    variants: dict[str, tuple[LaunchOptions, torch.cuda.Stream | None]] = {"default": (default, None)}
     if dev.type == "cuda" and pdl_supported(dev):
-        variants[f"pdl={not default.pdl}"] = dataclasses.replace(default, pdl=not default.pdl)
-    for name, options in variants.items():
-        set_launch_options(model, options)
-        engines[name] = LLMEngine(model, NullTokenizer(), engine_config(), adapters)
+        variants[f"pdl={not default.pdl}"] = (dataclasses.replace(default, pdl=not default.pdl), None)
+    if side is not None and args.side_stream:
+        variants["shrink beside GEMM"] = (default, side)
+    for name, (options, stream) in variants.items():
+        set_launch_options(model, options, stream)
+        engines[name] = LLMEngine(model, tokenizer, engine_config(), adapters)
         engines[name].runner.capture_graphs()  # what engine.start() does; the benchmark steps engines itself
     set_launch_options(model, default)
     lora = engines["default"]
@@ -435,6 +438,9 @@ def main() -> int:
     ap.add_argument("--adapters", default="0,1,8,32,64", help="distinct adapters per batch of 64")
     ap.add_argument("--reps", type=int, default=7, help="interleaved rounds over all cases")
     ap.add_argument("--peft", action="store_true", help="also time transformers + peft")
+    ap.add_argument(
+        "--side-stream", action="store_true", help="also a LoRA engine whose shrink runs beside the base GEMM"
+    )
     ap.add_argument("--peft-tokens", type=int, default=8)
     ap.add_argument("--json", default="")
     args = ap.parse_args()

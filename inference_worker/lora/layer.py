@@ -21,20 +21,49 @@ from loraserve.inference_worker.lora.slots import LoRASlots
 
 class LoRALayer:
     def __init__(
-        self, slots: LoRASlots, layer: int, group: str, options: kernels.LaunchOptions | None = None
+        self,
+        slots: LoRASlots,
+        layer: int,
+        group: str,
+        options: kernels.LaunchOptions | None = None,
+        side_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.layer, self.group = layer, group
         self.options = options if options is not None else kernels.LaunchOptions()
+        # With a side stream (CUDA), the shrink runs there beside the base projection's GEMM and
+        # the expand follows both on the main stream (two plain launches, no PDL between them);
+        # without, shrink and expand launch together after the GEMM (`add_lora`).
+        self.side_stream = side_stream
         self.lora_a = slots.a[layer][group]  # [L, S, R, in]
         self.lora_b = slots.b[layer][group]  # [L, N, R]
         self.ranks = slots.group_ranks(layer, group)  # [L] int32
         self.slice_offsets = list(itertools.accumulate(slots.out_sizes[group], initial=0))  # [S + 1]
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch) -> None:
-        # x: [T, in], y: [T, N] (added to in place)
+    def begin(self, x: torch.Tensor, lora: kernels.LoRABatch) -> torch.Tensor | None:
+        """With a side stream: the shrink of x into the batch's workspace, launched there after
+        everything queued so far on x's stream; -> that s [S, T, R] (None without a side stream)."""
+        if self.side_stream is None:
+            return None
+        _, num_slices, max_rank, _ = self.lora_a.shape
+        s = lora.workspace[: num_slices * x.shape[0] * max_rank].view(num_slices, x.shape[0], max_rank)
+        self.side_stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self.side_stream):
+            kernels.lora_shrink(x, self.lora_a, self.ranks, lora, s)
+        return s
+
+    def finish(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch, begun: object) -> None:
+        # x: [T, in], y: [T, N] (added to in place); begun: what `begin` returned
+        if isinstance(begun, torch.Tensor) and self.side_stream is not None:
+            torch.cuda.current_stream(y.device).wait_stream(self.side_stream)
+            kernels.lora_expand(begun, self.lora_b, self.ranks, lora, self.slice_offsets, y)
+            return
         kernels.add_lora(
             y, x, self.lora_a, self.lora_b, self.ranks, lora, self.slice_offsets, options=self.options
         )
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch) -> None:
+        """y += the delta of each row's adapter, after y exists (no overlap)."""
+        self.finish(x, y, lora, None)
 
     def __repr__(self) -> str:
         return f"LoRALayer(layer={self.layer}, group={self.group}, slots={self.lora_a.shape[0]})"

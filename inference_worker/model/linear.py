@@ -1,7 +1,8 @@
 """One projection per adapter-layout group (loraserve/contract/adapter_layout.py GROUPS): qkv (q|k|v fused),
 o, gate_up (gate|up fused), down. The LoRA code attaches an object to `lora` by (layer, group);
-its `apply(x, y, lora)` adds the per-row adapter delta to `y` in place, rows grouped by the step's
-`LoRABatch`."""
+its `begin(x, lora)` may start work on x before the base projection runs, and its
+`finish(x, y, lora, begun)` adds the per-row adapter delta to `y` in place, rows grouped by the
+step's `LoRABatch`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from loraserve.kernels import LoRABatch
 
 
 class LoraDelta(Protocol):
-    def apply(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch) -> None:
+    def begin(self, x: torch.Tensor, lora: LoRABatch) -> object:
+        """Work that needs only x, started before the base projection (None: nothing started);
+        its result goes to `finish`."""
+
+    def finish(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch, begun: object) -> None:
         """x: [T, in_features], y: [T, out_total]; y += delta of each row's adapter."""
 
 
@@ -47,9 +52,11 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, in] -> y: [T, sum(out_sizes)]
+        if self.lora is None or batch.lora is None:
+            return F.linear(x, self.weight, self.bias)
+        begun = self.lora.begin(x, batch.lora)
         y = F.linear(x, self.weight, self.bias)
-        if self.lora is not None and batch.lora is not None:
-            self.lora.apply(x, y, batch.lora)
+        self.lora.finish(x, y, batch.lora, begun)
         return y
 
     def extra_repr(self) -> str:

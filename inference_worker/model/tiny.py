@@ -80,6 +80,18 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    """A tokenizer for random-weight models of any vocabulary size (benchmarks): token i is the word
+    `w{i}`, decoded space-separated, so detokenization runs the real incremental path at a
+    realistic cost."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return tok
+
+
 def llama_config(spec: TinyLlamaSpec, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
