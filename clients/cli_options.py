@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -66,3 +66,28 @@ def progress(description: str) -> Iterator[None]:
     ) as bar:
         bar.add_task(description, total=None)
         yield
+
+
+@contextmanager
+def progress_bar(description: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A bar on stderr fed by the callback the block gets, `(done, total)`; the block gets None when
+    stderr is no terminal or rich is missing (logs stay clean in containers)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        yield None
+        return
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.clients.cli_options import progress_bar
 from loraserve.contract.payload import TORCH_DTYPES
 from loraserve.inference_worker.adapters.fetcher import AdapterSource
 from loraserve.inference_worker.adapters.pool import AdapterPool
@@ -42,7 +43,8 @@ def build_worker(config: WorkerConfig, *, source: AdapterSource | None = None) -
     """Model -> adapters -> engine. Adapters come with `config.store_address` (the store as their
     source) or an explicit `source`. Every configuration problem is a ModelConfigError."""
     device, dtype = resolve_device(config)
-    model = load_model(config.model, dtype, device)
+    with progress_bar(f"loading {config.model}") as on_progress:  # a bar on a terminal only
+        model = load_model(config.model, dtype, device, on_progress)
     if source is None and config.store_address:
         source = store_source(config)
     adapters = build_adapters(config, model, source) if source is not None else None

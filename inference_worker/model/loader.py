@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,7 +76,13 @@ def _target(model: LlamaModel, name: str) -> tuple[torch.Tensor, int, int]:
 
 
 @torch.no_grad()
-def load_model(directory: str | Path, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+def load_model(
+    directory: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> LlamaModel:
+    """`on_progress(tensors loaded, tensors expected)` is called after each tensor (a progress bar)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ModelConfigError(f"model directory {directory} does not exist")
@@ -100,6 +107,8 @@ def load_model(directory: str | Path, dtype: torch.dtype, device: torch.device |
                     )
                 param[off : off + rows].copy_(tensor.to(dtype))
                 seen.add((id(param), off))
+                if on_progress is not None:
+                    on_progress(len(seen), len(names))
     missing = names.keys() - seen
     if missing:
         raise ModelConfigError(f"checkpoint lacks tensors: {', '.join(sorted(names[m] for m in missing))}")

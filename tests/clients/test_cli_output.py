@@ -68,3 +68,19 @@ def test_exit_statuses(start_store, capsys) -> None:
     assert usage.value.code == 2
     assert cli_main(["no-such-command"]) == 2
     assert cli_main(["health", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 3  # no answer
+
+
+def test_progress_only_on_a_terminal(monkeypatch, capsys) -> None:
+    import sys
+
+    from loraserve.clients.cli_options import progress, progress_bar
+
+    with progress_bar("loading") as on_progress:  # pytest's stderr is no terminal
+        assert on_progress is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    with progress_bar("loading") as on_progress:
+        assert on_progress is not None
+        on_progress(3, 4)
+    with progress("registering x"):
+        pass
+    assert "loading" in capsys.readouterr().err
