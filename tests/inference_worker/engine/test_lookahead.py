@@ -46,10 +46,14 @@ def test_queued_adapter_is_in_a_slot_before_admission(tiny_model_dir, lora_store
             assert not queued.done() and not any(f.done() for f in longs)  # staged while still queued
         _, err, out = queued.result(60)
         assert err is None and out.usage.adapter_tier == "store"  # arrived before its adapter
-        # with look-ahead its admission found the adapter in a slot; without, it missed, then
-        # waited for the fetch and the copy from the CPU tier
-        got = (lookups(w, "miss"), lookups(w, "gpu"), lookups(w, "cpu"))
-        assert got == ((0, 1, 0) if lookahead else (1, 0, 1))
+        # with look-ahead its admission found the adapter in a slot; without, it missed (once per
+        # step until its fetch ended: how many steps that took depends on the machine's load),
+        # then was copied in from the CPU tier
+        misses, gpu, cpu = (lookups(w, r) for r in ("miss", "gpu", "cpu"))
+        if lookahead:
+            assert (misses, gpu, cpu) == (0, 1, 0)
+        else:
+            assert misses >= 1 and (gpu, cpu) == (0, 1)
     finally:
         w.close()
 
