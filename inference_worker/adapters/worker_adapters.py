@@ -130,8 +130,9 @@ class WorkerAdapters:
             self.pool.popularity.record(ref.adapter_id)
 
     def look_ahead(self, waiting: Iterable[Sequence]) -> None:
+        # a sequence refused at admission this step waits only to be failed: nothing to fetch
         if self.ahead.window:
-            self.ahead.look_ahead((s.seq_id, s.adapter_id) for s in waiting)
+            self.ahead.look_ahead((s.seq_id, s.adapter_id) for s in waiting if s.error is None)
 
     def can_admit(self, seq: Sequence) -> bool:
         if not seq.adapter_id:
