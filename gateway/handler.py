@@ -84,9 +84,9 @@ class RequestHandler:
         try:
             base = await self.backend.base_model()
             plan = (
-                completion_plan(body, self.config, base)  # type: ignore[arg-type]
-                if endpoint == "completions"
-                else chat_plan(body, self.config, base)  # type: ignore[arg-type]
+                completion_plan(body, self.config, base)
+                if isinstance(body, CompletionRequest)
+                else chat_plan(body, self.config, base)
             )
             if plan.stream:
                 response = await self._stream(plan, endpoint, start, line)
@@ -173,7 +173,7 @@ class RequestHandler:
                 while delta is not None:
                     arrived = time.perf_counter()
                     self.metrics.tokens.inc(len(delta.token_ids))
-                    for chunk in chunks.delta(delta):  # type: ignore[attr-defined]
+                    for chunk in chunks.delta(delta):
                         yield _sse(chunk)  # resumes once the HTTP server took the bytes
                     if delta.usage is not None:
                         line.update(
