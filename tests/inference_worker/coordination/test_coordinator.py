@@ -72,6 +72,16 @@ def test_popularity_sums_live_workers_and_expires(coordinator):
     assert coordinator.fleet_popularity() == {}
 
 
+def test_an_idle_worker_publishes_an_empty_table(coordinator):
+    coordinator.publish_popularity("busy", {"a": 2.0}, 30.0)
+    coordinator.publish_popularity("idle", {}, 30.0)  # counts nothing, still reads the fleet's
+    assert coordinator.fleet_popularity() == {"a": 2.0}
+    coordinator.publish_popularity("busy", {}, 30.0)  # everything decayed away
+    assert coordinator.fleet_popularity() == {}
+    coordinator.publish_popularity("idle", {"b": 1.5}, 30.0)
+    assert coordinator.fleet_popularity() == {"b": 1.5}
+
+
 def test_pins(coordinator):
     coordinator.set_pin("w1", "a", True)
     coordinator.set_pin("w1", "b", True)
