@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from loraserve.adapter_store.metrics import StoreMetrics
+from loraserve.gateway.metrics import GatewayMetrics
 from loraserve.inference_worker.adapters.metrics import AdapterMetrics
 from loraserve.inference_worker.metrics import WorkerMetrics
 
@@ -30,11 +31,11 @@ class _IdleEngine:
 
 
 def exported_series() -> dict[str, set[str]]:
-    """sample name -> its label names, for every metric of the store and the worker."""
+    """sample name -> its label names, for every metric of the store, the worker and the gateway."""
     worker = WorkerMetrics(_IdleEngine())
     AdapterMetrics(CollectorRegistry()).register_on(worker.registry)
     out: dict[str, set[str]] = {}
-    for registry in (worker.registry, StoreMetrics().registry):
+    for registry in (worker.registry, StoreMetrics().registry, GatewayMetrics().registry):
         for family in registry.collect():
             labels = set(getattr(registry._names_to_collectors.get(family.name), "_labelnames", ()))
             if family.name.startswith("loraserve_worker_per_adapter_resident"):
