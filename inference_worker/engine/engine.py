@@ -15,6 +15,7 @@ import time
 
 from tokenizers import Tokenizer
 
+from loraserve.contract.usage import Usage
 from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy, BaseOnlyPolicy, EngineAdapters
 from loraserve.inference_worker.engine.block_manager import BlockManager
 from loraserve.inference_worker.engine.config import EngineConfig
@@ -279,18 +280,35 @@ class LLMEngine:
             if self._advance_text(seq):
                 self._finish(seq, FinishReason.STOP)
                 continue
-            start, end = seq.sent_token_count, len(seq.output_token_ids)
-            seq.sent_token_count = end
-            self.outputs.emit(
-                seq,
-                RequestOutput(
-                    seq.request_id,
-                    seq.output_token_ids[start:end],
-                    seq.text_stream.take(final=False),
-                    index=seq.index,
-                    logprobs=seq.output_logprobs[start:end],
-                ),
-            )
+            self._emit_unsent(seq)
+
+    def _emit_unsent(
+        self,
+        seq: Sequence,
+        finish_reason: FinishReason | None = None,
+        usage: Usage | None = None,
+        error: Exception | None = None,
+    ) -> None:
+        """Deliver the tokens, text and logprobs of `seq` not sent yet; with a `finish_reason`,
+        its last output (the adapter that served it, the request's usage when it is done)."""
+        start, end = seq.sent_token_count, len(seq.output_token_ids)
+        seq.sent_token_count = end
+        final = finish_reason is not None
+        self.outputs.emit(
+            seq,
+            RequestOutput(
+                seq.request_id,
+                seq.output_token_ids[start:end],
+                seq.text_stream.take(final=final),
+                finish_reason=finish_reason,
+                usage=usage,
+                error=error,
+                adapter_id=seq.adapter_id if final else "",
+                adapter_digest=seq.adapter_digest if final else "",
+                index=seq.index,
+                logprobs=seq.output_logprobs[start:end],
+            ),
+        )
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
         if seq.finish_reason is not None:
@@ -305,23 +323,7 @@ class LLMEngine:
         group.num_finished += 1
         if group.done:
             self._by_request.pop(seq.request_id, None)
-        start, end = seq.sent_token_count, len(seq.output_token_ids)
-        seq.sent_token_count = end
-        self.outputs.emit(
-            seq,
-            RequestOutput(
-                seq.request_id,
-                seq.output_token_ids[start:end],
-                seq.text_stream.take(final=True),
-                finish_reason=reason,
-                usage=group.usage(time.monotonic()) if group.done else None,
-                error=error,
-                adapter_id=seq.adapter_id,
-                adapter_digest=seq.adapter_digest,
-                index=seq.index,
-                logprobs=seq.output_logprobs[start:end],
-            ),
-        )
+        self._emit_unsent(seq, reason, group.usage(time.monotonic()) if group.done else None, error)
         forks, seq.forks = seq.forks, []
         for child in forks:  # ended before its prompt was computed: so do the siblings
             self._finish(child, reason, error)
