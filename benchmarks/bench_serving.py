@@ -29,6 +29,8 @@ import functools
 import io
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -70,7 +72,7 @@ class Bench:
             "config": {
                 k: v
                 for k, v in vars(args).items()
-                if k not in ("json", "workdir", "redis_server", "redis_url")
+                if k not in ("json", "workdir", "redis_server", "redis_url", "profile")
             },
             "s_lora_ratio": round(S_LORA_RATIO, 4),
             "n": {},
@@ -79,6 +81,19 @@ class Bench:
     def save(self) -> None:
         if self.args.json:
             Path(self.args.json).write_text(json.dumps(self.results, indent=2) + "\n")
+
+    def profiled(self, worker: Service, name: str, seconds: float):  # type: ignore[no-untyped-def]
+        """With --profile DIR: py-spy samples the worker for `seconds` (one collapsed-stack file per
+        thread-tagged run, DIR/name.txt); the Popen to wait for, or None."""
+        a = self.args
+        spy = shutil.which("py-spy") if a.profile else None
+        if spy is None:
+            return None
+        a.profile.mkdir(parents=True, exist_ok=True)
+        cmd = [spy, "record", "--pid", str(worker.process.pid), "--duration", str(max(1, int(seconds))),
+               "--rate", "100", "--format", "raw", "--threads", "--nonblocking", "--output",
+               str(a.profile / f"{name}.txt")]  # fmt: skip
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
     def spec(self, ids: Sequence[str], rate: float | None, seed: int) -> WorkloadSpec:
         a = self.args
@@ -145,10 +160,16 @@ class Bench:
                 return WorkerTarget(worker.address, Sampling(timeout_s=600))
 
             # the first warm-up is longer: the worker's kernels compile for the shapes they meet
-            self.load(target, ids, rate=None, duration=a.first_warmup if i == 0 else a.warmup, seed=n)
+            warm = a.first_warmup if i == 0 else a.warmup
+            spy = self.profiled(worker, f"n{n}-warmup", warm) if i == 0 else None
+            got = self.load(target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address])
+            row["warmup"] = got
+            spy = spy.wait() if spy is not None else None
+            spy = self.profiled(worker, f"n{n}-saturation", a.duration)
             sat = self.load(
                 target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address]
             )
+            spy = spy.wait() if spy is not None else None
             row["saturation"] = sat
             throughput = float(sat["request_throughput"])
             for share in (0.5, 0.8):
@@ -305,6 +326,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-prefix", default="loraserve-bench:")
     p.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", type=Path, default=None, help="py-spy the worker into this folder")
     return p
 
 

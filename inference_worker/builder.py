@@ -161,6 +161,7 @@ def engine_config_for(config: WorkerConfig, model: LlamaModel) -> EngineConfig:
         max_queue_size=config.max_queue_size,
         default_max_tokens=config.default_max_tokens,
         use_cuda_graphs=config.cuda_graphs,
+        kernel_warmup=config.kernel_warmup,
         max_prompt_chars=config.max_prompt_chars,
     )
 

@@ -32,6 +32,10 @@ _HELP = {
     "max_queue_size": "waiting requests before RESOURCE_EXHAUSTED",
     "default_max_tokens": "max_tokens when a request leaves it 0",
     "cuda_graphs": "capture CUDA graphs for decode steps",
+    "kernel_warmup": "compile every kernel variant a step can launch before serving (CUDA; cached on "
+    "disk by Triton, so a restart is quick)",
+    "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "
+    "interpreter before the step thread gets it back",
     "max_loras": "GPU adapter slots",
     "max_cpu_loras": "adapters kept in the CPU cache",
     "max_lora_rank": "largest adapter rank accepted",
@@ -73,6 +77,8 @@ class WorkerConfig:
     max_queue_size: int = 256
     default_max_tokens: int = 16
     cuda_graphs: bool = True
+    kernel_warmup: bool = True
+    switch_interval_ms: float = 5.0
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
@@ -131,6 +137,8 @@ class WorkerConfig:
         ):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
+        if not 0.05 <= self.switch_interval_ms <= 100:
+            problems.append("switch_interval_ms must be within [0.05, 100]")
         if self.block_size not in (8, 16, 32, 64, 128):
             problems.append("block_size must be one of 8, 16, 32, 64, 128")
         if self.max_num_batched_tokens < self.max_num_seqs:

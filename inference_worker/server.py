@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
 from collections.abc import Sequence
 
@@ -174,6 +175,7 @@ async def serve(config: WorkerConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     config = WorkerConfig.from_args(argv)
     configure_logging(config.log_level)
+    sys.setswitchinterval(config.switch_interval_ms / 1e3)  # process-wide: this process is the worker
     try:
         asyncio.run(serve(config))
     except ModelConfigError as exc:

@@ -17,6 +17,7 @@ class EngineConfig:
     max_queue_size: int = 256  # waiting requests before RESOURCE_EXHAUSTED
     default_max_tokens: int = 16
     use_cuda_graphs: bool = True
+    kernel_warmup: bool = True  # compile every kernel variant at start (CUDA): kernel_warmup.py
     max_prompt_chars: int = (
         0  # characters of a prompt (or a conversation); 0 = CHARS_PER_TOKEN x max_model_len
     )

@@ -16,6 +16,7 @@ import time
 from tokenizers import Tokenizer
 
 from loraserve.contract.usage import Usage
+from loraserve.inference_worker.engine import kernel_warmup
 from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy, BaseOnlyPolicy, EngineAdapters
 from loraserve.inference_worker.engine.block_manager import BlockManager
 from loraserve.inference_worker.engine.config import EngineConfig
@@ -162,7 +163,10 @@ class LLMEngine:
             self._wake.notify()
 
     def start(self) -> None:
-        self.runner.capture_graphs()  # before serving, so no request waits for it
+        # before serving, so no request waits for a kernel compile or a graph capture
+        if self.config.kernel_warmup and self.runner.device.type == "cuda":
+            kernel_warmup.warm_up(self.runner, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.runner.capture_graphs()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 

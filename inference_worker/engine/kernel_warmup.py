@@ -1,0 +1,140 @@
+"""Compile-ahead: every Triton kernel variant a step can launch is built before the worker serves.
+
+Triton compiles a kernel the first time it meets a new specialization: a new constexpr (the LoRA
+kernels' tile plans and split-K depth follow the step's token count), or an integer argument that
+becomes 1 or a multiple of 16. Without this, a fresh worker compiles as new batch shapes arrive,
+on the step thread, stalling every running sequence (measured under serving load: about 12 s of
+compiles in a fresh worker's first 40 s, and still ~1 s in every 15 s at 1,000 adapters, when new
+adapter mixes make new shapes). Compiled kernels land in Triton's on-disk cache, so a restart
+finds them there and this costs launches only.
+
+Two passes, both on dummy data (outputs discarded; KV writes go to the reserved block 0):
+
+1. the LoRA path alone (slot grouping, shrink, expand) for every token count 1..max_tokens, one
+   layer per module group: a launch costs microseconds, so no count is skipped;
+2. whole eager steps (base and LoRA rows) for mixes of prefill chunks and decodes that cover the
+   other kernels' specializations: token and sequence counts of 1, of a multiple of 16 and of
+   neither, with one and several prefill chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from loraserve.inference_worker.engine.model_runner import ModelRunner
+from loraserve.inference_worker.engine.scheduler import ScheduledBatch
+from loraserve.inference_worker.engine.sequence import SamplingParams, Sequence
+from loraserve.inference_worker.model.linear import GroupedLinear
+
+log = logging.getLogger(__name__)
+
+# sequence and token counts of the eager-step pass: 1, a multiple of 16, and neither
+COUNT_CLASSES = (1, 2, 16, 17, 32)
+
+
+def _noop(_: object) -> None:
+    return None
+
+
+def _sequence(num_tokens: int, lora_slot: int, blocks: int, block_size: int) -> Sequence:
+    """A sequence of `num_tokens` dummy tokens whose KV blocks are all the reserved block 0."""
+    seq = Sequence(
+        request_id="kernel-warmup",
+        prompt_token_ids=[0] * num_tokens,
+        params=SamplingParams(),
+        on_output=_noop,
+        text_stream=None,  # type: ignore[arg-type]  # never detokenized
+    )
+    seq.block_table = [0] * max(blocks, -(-num_tokens // block_size))
+    seq.lora_slot = lora_slot
+    return seq
+
+
+def step_mixes(max_tokens: int, max_seqs: int) -> list[tuple[list[int], int]]:
+    """(prefill chunk lengths, decodes) of the eager steps to run; each within the step's budgets
+    (tokens <= max_tokens, sequences <= max_seqs)."""
+    mixes: list[tuple[list[int], int]] = []
+    for decodes in (0, *COUNT_CLASSES):
+        for chunk in COUNT_CLASSES:
+            mixes.append(([chunk], decodes))
+        for prefills in COUNT_CLASSES[1:]:
+            mixes.append(([3] * prefills, decodes))
+    return [
+        (chunks, d)
+        for chunks, d in mixes
+        if sum(chunks) + d <= max_tokens and len(chunks) + d <= max_seqs and (chunks or d)
+    ]
+
+
+def warm_up_lora_path(runner: ModelRunner, max_tokens: int) -> int:
+    """Launch the LoRA kernels of one layer per module group for every token count; -> launches."""
+    adapters, model = runner.adapters, runner.model
+    if adapters is None:
+        return 0
+    # one layer per module group: x [max_tokens, in], y [max_tokens, out] (a row prefix is contiguous)
+    firsts: dict[str, GroupedLinear] = {}
+    for lin in model.grouped_linears().values():
+        if lin.lora is not None:
+            firsts.setdefault(lin.group, lin)
+    if not firsts:
+        return 0
+    dev, dtype = runner.device, model.dtype
+    bufs = {
+        g: (
+            torch.randn(max_tokens, lin.in_features, dtype=dtype, device=dev),
+            torch.zeros(max_tokens, sum(lin.out_sizes), dtype=dtype, device=dev),
+        )
+        for g, lin in firsts.items()
+    }
+    # rows alternate between slot 0 and the base model (which variant compiles depends on sizes only)
+    slots_all = torch.arange(max_tokens, device=dev, dtype=torch.int32) % 2 - 1
+    launches = 0
+    with torch.inference_mode():
+        for t in range(1, max_tokens + 1):
+            lora = adapters.lora_batch(slots_all[:t])
+            for g, lin in firsts.items():
+                x, y = bufs[g][0][:t], bufs[g][1][:t]
+                assert lin.lora is not None
+                lin.lora.finish(x, y, lora, lin.lora.begin(x, lora))
+                launches += 1
+    return launches
+
+
+def warm_up_steps(runner: ModelRunner, max_tokens: int, max_seqs: int) -> int:
+    """Run eager steps for the mixes of `step_mixes`, with and without adapter rows; -> steps."""
+    bs = runner.block_size
+    steps = 0
+    variants = (False, True) if runner.adapters is not None else (False,)
+    for chunks, decodes in step_mixes(max_tokens, max_seqs):
+        for lora in variants:
+            slot = 0 if lora else -1
+            sched = ScheduledBatch()
+            for n in chunks:
+                sched.prefills.append((_sequence(n, slot, 1, bs), n))
+            for _ in range(decodes):
+                seq = _sequence(1, slot, 1, bs)  # one cached token, decoding its second
+                seq.num_computed_tokens = 1
+                seq.output_token_ids = [0]
+                sched.decodes.append(seq)
+            runner.execute(sched)  # a prefill in every mix: an eager step
+            steps += 1
+    return steps
+
+
+def warm_up(runner: ModelRunner, max_tokens: int, max_seqs: int) -> None:
+    """Both passes, then wait for the device; logs what it did and how long it took."""
+    t0 = time.perf_counter()
+    launches = warm_up_lora_path(runner, max_tokens)
+    steps = warm_up_steps(runner, max_tokens, max_seqs)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    log.info(
+        "kernels compiled ahead: LoRA path at %d token counts (%d launches), %d eager steps, in %.1f s",
+        max_tokens,
+        launches,
+        steps,
+        time.perf_counter() - t0,
+    )

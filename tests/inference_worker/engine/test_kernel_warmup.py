@@ -1,0 +1,122 @@
+"""Compile-ahead (engine/kernel_warmup.py): the eager-step mixes stay within the step's budgets and
+cover the count classes Triton specializes on; warming up runs the LoRA path at every token count
+and leaves the engine as it was (same tokens after as before, no KV block or slot held). On CUDA:
+after the warm-up, serving-like steps of new shapes compile nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loraserve.inference_worker.engine import kernel_warmup
+from loraserve.inference_worker.engine.kernel_warmup import COUNT_CLASSES, step_mixes
+from tests.helpers.local_worker import LocalWorker
+
+PROMPT = [5, 17, 42, 99, 7, 3, 11]
+
+
+@pytest.mark.parametrize("max_tokens,max_seqs", [(4096, 64), (256, 16), (40, 4), (8, 8)])
+def test_mixes_fit_the_budgets_and_cover_the_count_classes(max_tokens, max_seqs):
+    mixes = step_mixes(max_tokens, max_seqs)
+    assert mixes
+    for chunks, decodes in mixes:
+        assert chunks and all(n >= 1 for n in chunks) and decodes >= 0
+        assert sum(chunks) + decodes <= max_tokens and len(chunks) + decodes <= max_seqs
+    tokens = {sum(c) + d for c, d in mixes}
+    seqs = {len(c) + d for c, d in mixes}
+    decodes = {d for _, d in mixes}
+    for counts, limit in ((tokens, max_tokens), (seqs, max_seqs), (decodes, max_seqs - 1)):
+        # every class that fits: 1, a multiple of 16, neither
+        assert 1 in counts
+        if limit >= 16:
+            assert any(n % 16 == 0 for n in counts)
+        assert any(n > 1 and n % 16 for n in counts)
+    if max_seqs >= max(COUNT_CLASSES) + 1:
+        assert {len(c) for c, _ in mixes} >= {1, 2, 16, 17}  # one and several prefill chunks
+
+
+def test_warm_up_runs_every_token_count_and_changes_nothing(tiny_model_dir, lora_store):
+    w = LocalWorker(tiny_model_dir, lora_store.address, max_loras=2, max_cpu_loras=6, max_num_seqs=4)
+    try:
+        before = [w.generate(PROMPT, a, max_tokens=6)[0] for a in ("", "qv-r8", "all-r4")]
+        engine = w.engine
+        free_blocks = engine.num_free_blocks
+        slots_before = [(s.tier, s.slot) for s in w.adapters.list_adapters()]
+        calls: list[int] = []
+        lora_batch = engine.runner.adapters.lora_batch
+
+        def counting(token_slots):
+            calls.append(int(token_slots.shape[0]))
+            return lora_batch(token_slots)
+
+        engine.runner.adapters.lora_batch = counting
+        max_tokens = 24
+        try:
+            kernel_warmup.warm_up(engine.runner, max_tokens, engine.config.max_num_seqs)
+        finally:
+            del engine.runner.adapters.lora_batch
+        # pass 1: every token count once; pass 2: one LoRA batch per eager step with adapter rows
+        assert calls[:max_tokens] == list(range(1, max_tokens + 1))
+        lora_steps = calls[max_tokens:]
+        assert len(lora_steps) == len(step_mixes(max_tokens, engine.config.max_num_seqs))
+        assert engine.num_free_blocks == free_blocks and engine.num_running == 0
+        assert [(s.tier, s.slot) for s in w.adapters.list_adapters()] == slots_before
+        after = [w.generate(PROMPT, a, max_tokens=6)[0] for a in ("", "qv-r8", "all-r4")]
+        assert after == before
+    finally:
+        w.close()
+
+
+def _compiled_variants() -> int:
+    """Compiled kernels held by every Triton JIT function of loraserve's loaded modules."""
+    import sys
+
+    import triton
+
+    total = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("loraserve.") or module is None:
+            continue
+        for obj in vars(module).values():
+            if isinstance(obj, triton.runtime.JITFunction):
+                caches = getattr(obj, "device_caches", None) or {}
+                total += sum(len(c[0]) for c in caches.values())
+    return total
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_compile_after_warm_up_for_new_step_shapes(tiny_model_dir, tmp_path):
+    from loraserve.inference_worker.builder import build_worker
+    from loraserve.inference_worker.config import WorkerConfig
+    from loraserve.inference_worker.engine.scheduler import ScheduledBatch
+
+    config = WorkerConfig(
+        model=str(tiny_model_dir), device="cuda", dtype="bfloat16", max_num_seqs=32, max_model_len=512,
+        max_num_batched_tokens=600, num_kv_blocks=256, cuda_graphs=True, max_loras=4, max_cpu_loras=8,
+        max_lora_rank=16, store_address="127.0.0.1:1",
+    )  # fmt: skip
+    worker = build_worker(config)
+    engine = worker.engine
+    kernel_warmup.warm_up(engine.runner, config.max_num_batched_tokens, config.max_num_seqs)
+    engine.runner.capture_graphs()
+    compiled = _compiled_variants()
+    assert compiled > 0
+    rng = random.Random(0)
+    for _ in range(40):  # random mixes of prefill chunks and decodes, adapters and base rows
+        sched = ScheduledBatch()
+        decodes = rng.randint(0, 20)
+        budget = rng.randint(8, config.max_num_batched_tokens - decodes)
+        for _ in range(rng.randint(1, 8)):
+            n = rng.randint(1, max(1, budget // 8))
+            seq = kernel_warmup._sequence(n, rng.randint(-1, 3), 1, config.block_size)
+            sched.prefills.append((seq, n))
+        for _ in range(decodes):
+            seq = kernel_warmup._sequence(1, rng.randint(-1, 3), 1, config.block_size)
+            seq.num_computed_tokens, seq.output_token_ids = 1, [0]
+            sched.decodes.append(seq)
+        engine.runner.execute(sched)
+    torch.cuda.synchronize()
+    assert _compiled_variants() == compiled, "a step compiled a kernel the warm-up did not"
