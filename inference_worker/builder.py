@@ -33,7 +33,10 @@ from loraserve.inference_worker.model.loader import load_model, load_tokenizer
 from loraserve.kernels import LaunchOptions
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from loraserve.inference_worker.parallel.group import TensorParallelGroup
+    from loraserve.inference_worker.parallel.launcher import FollowerProcesses
 
 log = logging.getLogger("loraserve.worker")
 
@@ -68,7 +71,6 @@ def build_worker(config: WorkerConfig, *, source: AdapterSource | None = None) -
 def _build_tensor_parallel(config: WorkerConfig, source: AdapterSource | None) -> Worker:
     from loraserve.inference_worker.model.config import ModelConfig
     from loraserve.inference_worker.parallel.launcher import start_leader
-    from loraserve.inference_worker.parallel.leader import LeaderRunner, MirroredSlots
     from loraserve.inference_worker.parallel.shard import check_tensor_parallel
 
     check_tensor_parallel(ModelConfig.from_dir(config.model), config.tensor_parallel_size)  # before spawning
@@ -79,20 +81,37 @@ def _build_tensor_parallel(config: WorkerConfig, source: AdapterSource | None) -
             model = load_model(config.model, dtype, device, on_progress, tp=tp)
         if source is None and config.store_address:
             source = store_source(config)
-        tp.broadcast_int(int(source is not None))
-        adapters = build_adapters(config, model, source, tp) if source is not None else None
-        engine_config = engine_config_for(config, model)
-        engine_config = replace(engine_config, num_blocks=tp.min_over_ranks(engine_config.num_blocks))
         tokenizer = load_tokenizer(config.model)
         chat = ChatTemplate.from_dir(config.model, tokenizer)
-        slots = adapters.pool.slots if adapters is not None else None
-        assert slots is None or isinstance(slots, MirroredSlots)
-        runner_type = partial(LeaderRunner, tp, followers, slots)
-        engine = LLMEngine(model, tokenizer, engine_config, adapters, chat=chat, runner_type=runner_type)
+        return build_leader(config, model, tokenizer, source, tp, followers, chat)
     except BaseException:
         followers.kill()
         tp.close()
         raise
+
+
+def build_leader(
+    config: WorkerConfig,
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    source: AdapterSource | None,
+    tp: TensorParallelGroup,
+    followers: FollowerProcesses,
+    chat: ChatTemplate | None = None,
+) -> Worker:
+    """Rank 0's adapters and engine over its shard of the model, with the set-up collectives in the
+    order the followers run them (parallel/follower.py `build_runner`): whether adapters exist,
+    then the KV block count (the least any rank has room for)."""
+    from loraserve.inference_worker.parallel.leader import LeaderRunner, MirroredSlots
+
+    tp.broadcast_int(int(source is not None))
+    adapters = build_adapters(config, model, source, tp) if source is not None else None
+    engine_config = engine_config_for(config, model)
+    engine_config = replace(engine_config, num_blocks=tp.min_over_ranks(engine_config.num_blocks))
+    slots = adapters.pool.slots if adapters is not None else None
+    assert slots is None or isinstance(slots, MirroredSlots)
+    runner_type = partial(LeaderRunner, tp, followers, slots)
+    engine = LLMEngine(model, tokenizer, engine_config, adapters, chat=chat, runner_type=runner_type)
     return Worker(engine, adapters)
 
 

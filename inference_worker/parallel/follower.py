@@ -19,6 +19,7 @@ from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.lora.row_parallel import attach_sharded_lora
 from loraserve.inference_worker.lora.slots import LoRASlots
+from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.inference_worker.model.loader import load_model
 from loraserve.inference_worker.parallel.group import TensorParallelGroup
 from loraserve.inference_worker.parallel.launcher import LEADER_PID, join_as_follower
@@ -42,11 +43,13 @@ class FollowerLoRA:
         return self._batch
 
 
-def build_runner(config: WorkerConfig, tp: TensorParallelGroup) -> tuple[ModelRunner, LoRASlots | None]:
-    """The follower's shard, slots and runner, built in the order of rank 0's `build_worker` so the
-    set-up collectives pair up: has-adapters flag, then the KV block count (the least of all ranks)."""
-    _, dtype = resolve_device(config)
-    model = load_model(config.model, dtype, tp.device, tp=tp)
+def build_runner(
+    config: WorkerConfig, tp: TensorParallelGroup, model: LlamaModel
+) -> tuple[ModelRunner, LoRASlots | None]:
+    """The follower's slots and runner over its shard of the model, built in the order of rank 0's
+    `builder.build_leader` so the set-up collectives pair up: has-adapters flag, then the KV block
+    count (the least of all ranks)."""
+    dtype = model.dtype
     slots, lora = None, None
     if tp.broadcast_int(0):
         slots = LoRASlots(
@@ -103,7 +106,8 @@ def main() -> int:
     device, _ = resolve_device(config, rank)
     tp = join_as_follower(rank, size, device)
     try:
-        runner, slots = build_runner(config, tp)
+        _, dtype = resolve_device(config)
+        runner, slots = build_runner(config, tp, load_model(config.model, dtype, tp.device, tp=tp))
         follow(runner, slots, StepChannel(tp.cpu_group))
     except Exception:
         log.exception("tensor-parallel rank %d failed; exiting", rank)
