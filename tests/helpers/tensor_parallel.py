@@ -25,16 +25,23 @@ class Request:
     adapter_id: str  # "" = base model
     prompt: tuple[int, ...]
     max_tokens: int = 6
+    n: int = 1  # completions; n > 1 copies KV blocks to the siblings on every rank
 
 
 def default_requests() -> list[Request]:
-    """The base model and every adapter on one prompt, plus a longer base prompt, in one batch."""
+    """The base model and every adapter on one prompt, plus a longer prompt with two completions
+    of an adapter, in one batch."""
     longer = tuple(PROMPT * 3)
-    return [Request("", tuple(PROMPT)), *(Request(a, tuple(PROMPT)) for a in ADAPTERS), Request("", longer)]
+    return [
+        Request("", tuple(PROMPT)),
+        *(Request(a, tuple(PROMPT)) for a in ADAPTERS),
+        Request("all", longer, n=2),
+    ]
 
 
 def generate(model_dir: Path, tp_size: int, requests: list[Request]) -> list[list[int]]:
-    """Token ids of each request, greedy, fp32 on CPU, with tensor_parallel_size `tp_size`."""
+    """Token ids of each request (its completions' tokens in the order they came), greedy, fp32 on
+    CPU, with tensor_parallel_size `tp_size`."""
     from loraserve.inference_worker.builder import build_worker
     from loraserve.inference_worker.config import WorkerConfig
     from loraserve.inference_worker.engine.sequence import SamplingParams
@@ -79,7 +86,7 @@ def generate(model_dir: Path, tp_size: int, requests: list[Request]) -> list[lis
                 tokens[i].extend(out.token_ids)
                 done[i] = done[i] or out.finished
 
-            params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+            params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, n=r.n)
             engine.submit(engine.make_sequence(f"r{i}", "", list(r.prompt), params, on_output, r.adapter_id))
         while not all(done):
             engine.step()
