@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +32,12 @@ from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.inference_worker.model.loader import load_model, load_tokenizer
 from loraserve.kernels import LaunchOptions
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from loraserve.inference_worker.parallel.group import TensorParallelGroup
+    from loraserve.inference_worker.parallel.launcher import FollowerProcesses
+
 log = logging.getLogger("loraserve.worker")
 
 
@@ -41,7 +49,13 @@ class Worker:
 
 def build_worker(config: WorkerConfig, *, source: AdapterSource | None = None) -> Worker:
     """Model -> adapters -> engine. Adapters come with `config.store_address` (the store as their
-    source) or an explicit `source`. Every configuration problem is a ModelConfigError."""
+    source) or an explicit `source`. Every configuration problem is a ModelConfigError.
+
+    With tensor_parallel_size N > 1 this process is rank 0: it starts ranks 1..N-1 first
+    (parallel/launcher.py), and the followers build their parts in this same order
+    (parallel/follower.py)."""
+    if config.tensor_parallel_size > 1:
+        return _build_tensor_parallel(config, source)
     device, dtype = resolve_device(config)
     with progress_bar(f"loading {config.model}") as on_progress:  # a bar on a terminal only
         model = load_model(config.model, dtype, device, on_progress)
@@ -54,13 +68,68 @@ def build_worker(config: WorkerConfig, *, source: AdapterSource | None = None) -
     return Worker(LLMEngine(model, tokenizer, engine_config, adapters, chat=chat), adapters)
 
 
-def resolve_device(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
+def _build_tensor_parallel(config: WorkerConfig, source: AdapterSource | None) -> Worker:
+    from loraserve.inference_worker.model.config import ModelConfig
+    from loraserve.inference_worker.parallel.launcher import start_leader
+    from loraserve.inference_worker.parallel.shard import check_tensor_parallel
+
+    check_tensor_parallel(ModelConfig.from_dir(config.model), config.tensor_parallel_size)  # before spawning
+    device, dtype = resolve_device(config)
+    tp, followers = start_leader(config, device)
+    try:
+        with progress_bar(f"loading {config.model} (rank 0)") as on_progress:
+            model = load_model(config.model, dtype, device, on_progress, tp=tp)
+        if source is None and config.store_address:
+            source = store_source(config)
+        tokenizer = load_tokenizer(config.model)
+        chat = ChatTemplate.from_dir(config.model, tokenizer)
+        return build_leader(config, model, tokenizer, source, tp, followers, chat)
+    except BaseException:
+        followers.kill()
+        tp.close()
+        raise
+
+
+def build_leader(
+    config: WorkerConfig,
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    source: AdapterSource | None,
+    tp: TensorParallelGroup,
+    followers: FollowerProcesses,
+    chat: ChatTemplate | None = None,
+) -> Worker:
+    """Rank 0's adapters and engine over its shard of the model, with the set-up collectives in the
+    order the followers run them (parallel/follower.py `build_runner`): whether adapters exist,
+    then the KV block count (the least any rank has room for)."""
+    from loraserve.inference_worker.parallel.leader import LeaderRunner, MirroredSlots
+
+    tp.broadcast_int(int(source is not None))
+    adapters = build_adapters(config, model, source, tp) if source is not None else None
+    engine_config = engine_config_for(config, model)
+    engine_config = replace(engine_config, num_blocks=tp.min_over_ranks(engine_config.num_blocks))
+    slots = adapters.pool.slots if adapters is not None else None
+    assert slots is None or isinstance(slots, MirroredSlots)
+    runner_type = partial(LeaderRunner, tp, followers, slots)
+    engine = LLMEngine(model, tokenizer, engine_config, adapters, chat=chat, runner_type=runner_type)
+    return Worker(engine, adapters)
+
+
+def resolve_device(config: WorkerConfig, rank: int = 0) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of a rank (`rank` picks cuda:rank under tensor parallelism)."""
+    tp = config.tensor_parallel_size
     if config.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ModelConfigError(f"device {config.device} requested but CUDA is not available")
+    if tp > 1 and device.type == "cuda":
+        if torch.cuda.device_count() < tp:
+            raise ModelConfigError(
+                f"tensor_parallel_size {tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible"
+            )
+        device = torch.device("cuda", rank)
     if config.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
@@ -76,9 +145,12 @@ def store_source(config: WorkerConfig) -> StoreSource:
     return StoreSource(config.store_address, token=config.store_token or "", tls_root_cert=tls_ca)
 
 
-def build_adapters(config: WorkerConfig, model: LlamaModel, source: AdapterSource) -> WorkerAdapters:
+def build_adapters(
+    config: WorkerConfig, model: LlamaModel, source: AdapterSource, tp: TensorParallelGroup | None = None
+) -> WorkerAdapters:
     """Slot buffers sized max_loras x max_lora_rank on the model's device, LoRA layers attached to
-    the model, launching the kernels with the device's options."""
+    the model, launching the kernels with the device's options. With `tp`, rank 0's shard of the
+    slots, whose changes are mirrored to the followers."""
     coordinator: Coordinator
     if config.redis_url:
         from loraserve.inference_worker.coordination.redis_coordinator import RedisCoordinator
@@ -86,7 +158,14 @@ def build_adapters(config: WorkerConfig, model: LlamaModel, source: AdapterSourc
         coordinator = RedisCoordinator(config.redis_url, config.redis_prefix)
     else:
         coordinator = InProcessCoordinator()
-    slots = LoRASlots(model.config.raw, config.max_loras, config.max_lora_rank, model.dtype, model.device)
+    if tp is None:
+        slots = LoRASlots(model.config.raw, config.max_loras, config.max_lora_rank, model.dtype, model.device)
+    else:
+        from loraserve.inference_worker.parallel.leader import MirroredSlots
+
+        slots = MirroredSlots(
+            model.config.raw, config.max_loras, config.max_lora_rank, model.dtype, model.device, tp.shard
+        )
     pool = AdapterPool(
         slots,
         source,
@@ -106,7 +185,12 @@ def build_adapters(config: WorkerConfig, model: LlamaModel, source: AdapterSourc
         prefetch=config.adapter_prefetch,
         address=config.advertise_address or _default_address(config.host, config.port),
     )
-    adapters.attach_to(model, LaunchOptions.for_device(model.device))
+    if tp is None:
+        adapters.attach_to(model, LaunchOptions.for_device(model.device))
+    else:
+        from loraserve.inference_worker.lora.row_parallel import attach_sharded_lora
+
+        attach_sharded_lora(model, slots, tp.all_reduce, LaunchOptions.for_device(model.device))
     return adapters
 
 

@@ -36,6 +36,8 @@ _HELP = {
     "disk by Triton, so a restart is quick)",
     "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "
     "interpreter before the step thread gets it back",
+    "tensor_parallel_size": "ranks (one process and GPU each) the model is sharded over; rank 0 serves "
+    "and starts the others (1 = one process)",
     "max_loras": "GPU adapter slots",
     "max_cpu_loras": "adapters kept in the CPU cache",
     "max_lora_rank": "largest adapter rank accepted",
@@ -79,6 +81,7 @@ class WorkerConfig:
     cuda_graphs: bool = True
     kernel_warmup: bool = True
     switch_interval_ms: float = 5.0
+    tensor_parallel_size: int = 1
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
@@ -124,6 +127,7 @@ class WorkerConfig:
             "max_cpu_loras",
             "max_lora_rank",
             "max_cpu_lora_mb",
+            "tensor_parallel_size",
         ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
@@ -157,6 +161,10 @@ class WorkerConfig:
             problems.append("metrics_top_adapters must be in [1, 1000]")
         if self.adapter_poll_interval_s <= 0:
             problems.append("adapter_poll_interval_s must be > 0")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            problems.append(
+                "with tensor_parallel_size > 1 the device is cpu, cuda or auto (rank r uses cuda:r)"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("tls_cert and tls_key go together")
         if problems:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from tokenizers import Tokenizer
 
@@ -51,7 +52,10 @@ class LLMEngine:
         config: EngineConfig,
         adapters: EngineAdapters | None = None,
         chat: ChatTemplate | None = None,
+        runner_type: Callable[..., ModelRunner] = ModelRunner,
     ) -> None:
+        """`runner_type` builds the model runner (a tensor-parallel worker's rank 0 passes its
+        leader runner, which sends each step to the other ranks)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.chat = chat  # the model's chat template; None when it has none
         self.adapters = adapters
@@ -60,7 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, self.policy, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(
+        self.runner = runner_type(
             model,
             config.num_blocks,
             config.block_size,
@@ -176,6 +180,8 @@ class LLMEngine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._thread is None or not self._thread.is_alive():  # never beside a running step
+            self.runner.close()
 
     # ------------------------------------------------------------------ step thread
     def _loop(self) -> None:

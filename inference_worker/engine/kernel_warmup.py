@@ -11,7 +11,9 @@ finds them there and this costs launches only.
 Two passes, both on dummy data (outputs discarded; KV writes go to the reserved block 0):
 
 1. the LoRA path alone (slot grouping, shrink, expand) for every token count 1..max_tokens, one
-   layer per module group: a launch costs microseconds, so no count is skipped;
+   layer per module group: a launch costs microseconds, so no count is skipped (not on a
+   tensor-parallel worker, whose LoRA layers hold collectives: there the steps below run on
+   every rank);
 2. whole eager steps (base and LoRA rows) for mixes of prefill chunks and decodes that cover the
    other kernels' specializations: token and sequence counts of 1, of a multiple of 16 and of
    neither, with one and several prefill chunks.
@@ -72,7 +74,7 @@ def step_mixes(max_tokens: int, max_seqs: int) -> list[tuple[list[int], int]]:
 def warm_up_lora_path(runner: ModelRunner, max_tokens: int) -> int:
     """Launch the LoRA kernels of one layer per module group for every token count; -> launches."""
     adapters, model = runner.adapters, runner.model
-    if adapters is None:
+    if adapters is None or runner.sharded:  # rank 0 alone must not enter a layer's collectives
         return 0
     # one layer per module group: x [max_tokens, in], y [max_tokens, out] (a row prefix is contiguous)
     firsts: dict[str, GroupedLinear] = {}

@@ -1,5 +1,6 @@
-"""Turns a scheduled batch into one model call: builds the `ForwardBatch`, owns the paged KV
-cache (allocated once), and replays CUDA graphs for decode-only steps at bucketed batch sizes."""
+"""Turns a scheduled batch into one model call: plans the batch on the host (`StepPlan`), builds
+the `ForwardBatch`, owns the paged KV cache (allocated once), and replays CUDA graphs for
+decode-only steps at bucketed batch sizes."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import logging
 
 import torch
 
-from loraserve.inference_worker.engine.adapter_hooks import EngineAdapters
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import Sequence
+from loraserve.inference_worker.engine.step_plan import LoRABatchSource, StepPlan
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.kernels import LoRABatch
@@ -20,11 +21,15 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
-    cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+    cfg = model.config  # model.num_kv_heads: this process's share under tensor parallelism
+    return 2 * cfg.num_layers * block_size * model.num_kv_heads * cfg.head_dim * model.dtype.itemsize
 
 
 class ModelRunner:
+    # True where a step's layers hold collectives that every rank must enter (a tensor-parallel
+    # leader): then only whole steps, which it announces to the other ranks, may run
+    sharded = False
+
     def __init__(
         self,
         model: LlamaModel,
@@ -33,7 +38,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         use_cuda_graphs: bool,
-        adapters: EngineAdapters | None = None,
+        adapters: LoRABatchSource | None = None,
     ) -> None:
         self.model, self.device = model, model.device
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -41,7 +46,7 @@ class ModelRunner:
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
         self.adapters = adapters
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
         # k_cache, v_cache per layer: [num_blocks, block_size, nkv, d]
         self.kv_cache = torch.zeros((cfg.num_layers, 2, *shape), dtype=model.dtype, device=self.device)
         for i, layer in enumerate(model.layers):
@@ -60,7 +65,8 @@ class ModelRunner:
         self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
 
     # ----------------------------------------------------------------------------- batch building
-    def build_batch(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[ForwardBatch, list[Sequence]]:
+    def plan(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[StepPlan, list[Sequence]]:
+        """The step's batch on the host (what rank 0 sends a tensor-parallel worker's followers)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -96,6 +102,7 @@ class ModelRunner:
             seq_slots.append(seq.lora_slot)
         sample_seqs.extend(sched.decodes)
         num_prefill_tokens = query_start[len(sched.prefills)]
+        num_decodes = len(sched.decodes)
         width = max(len(t) for t in tables)  # graph replays copy into the first `width` columns
         if pad_to:  # padding rows: token 0 at position 0 writing the reserved block 0
             extra = pad_to - len(ids)
@@ -115,25 +122,48 @@ class ModelRunner:
             flat += t
             flat += zeros[: width - len(t)]
         h32 = torch.tensor(flat, dtype=torch.int32)
+        plan = StepPlan(
+            h64=h64,
+            h32=h32,
+            num_tokens=n_tok,
+            num_seqs=n_seq,
+            num_logits=n_log,
+            width=width,
+            num_prefills=len(sched.prefills),
+            num_prefill_tokens=num_prefill_tokens,
+            bucket=pad_to or 0,
+            num_sampled=num_decodes if pad_to else n_log,
+            query_start=query_start,
+            context_lens_cpu=ctx_lens[: len(query_start) - 1],
+            seq_slots=seq_slots,
+        )
+        return plan, sample_seqs
+
+    def to_device(self, plan: StepPlan) -> ForwardBatch:
+        h64, h32 = plan.h64, plan.h32
+        n_tok, n_seq, n_log = plan.num_tokens, plan.num_seqs, plan.num_logits
         if self.device.type == "cuda":
             h64 = h64.pin_memory().to(self.device, non_blocking=True)
             h32 = h32.pin_memory().to(self.device, non_blocking=True)
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=h64[:n_tok],
             positions=h64[n_tok : 2 * n_tok],
             slot_mapping=h64[2 * n_tok : 3 * n_tok],
             logits_indices=h64[3 * n_tok : 3 * n_tok + n_log],
             context_lens=h32[:n_seq],
             token_slots=h32[n_seq : n_seq + n_tok],
-            block_tables=h32[n_seq + n_tok :].view(n_seq, width),
-            num_prefills=len(sched.prefills),
-            num_prefill_tokens=num_prefill_tokens,
-            num_decodes=n_seq - len(sched.prefills),
-            query_start=query_start,
-            context_lens_cpu=ctx_lens[: len(query_start) - 1],
-            seq_slots=seq_slots,
+            block_tables=h32[n_seq + n_tok :].view(n_seq, plan.width),
+            num_prefills=plan.num_prefills,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decodes=n_seq - plan.num_prefills,
+            query_start=plan.query_start,
+            context_lens_cpu=plan.context_lens_cpu,
+            seq_slots=plan.seq_slots,
         )
-        return batch, sample_seqs
+
+    def build_batch(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[ForwardBatch, list[Sequence]]:
+        plan, sample_seqs = self.plan(sched, pad_to)
+        return self.to_device(plan), sample_seqs
 
     # ------------------------------------------------------------------------------- execution
     @torch.inference_mode()
@@ -141,17 +171,23 @@ class ModelRunner:
         """Runs one step; -> (logits [N, V] float32, the N sequences they belong to)."""
         n = len(sched.decodes)
         bucket = next((b for b in self.graphs if b >= n), None) if not sched.prefills else None
-        if bucket is not None:
-            batch, sample_seqs = self.build_batch(sched, pad_to=bucket)
+        plan, sample_seqs = self.plan(sched, pad_to=bucket)
+        return self.run(plan), sample_seqs
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """One model call on a planned batch: a graph replay for a padded decode batch, else eager;
+        -> logits [plan.num_sampled, V] float32."""
+        batch = self.to_device(plan)
+        if plan.bucket:
             # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
             # steps without adapter rows replay graphs without it
             base_only = self.adapters is None or all(s < 0 for s in batch.seq_slots)
-            return self._replay(bucket, batch, lora=not base_only)[:n], sample_seqs
-        batch, sample_seqs = self.build_batch(sched, pad_to=None)
+            return self._replay(plan.bucket, batch, lora=not base_only)[: plan.num_sampled]
         if self.adapters is not None and any(s >= 0 for s in batch.seq_slots):
             batch.lora = self.adapters.lora_batch(batch.token_slots)
         hidden = self.model(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices]), sample_seqs
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -159,6 +195,10 @@ class ModelRunner:
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
         self.kv_cache[:, :, d] = self.kv_cache[:, :, s]  # [layers, 2, blocks, block_size, nkv, d]
+
+    def close(self) -> None:
+        """Release what outlives the engine's step thread (nothing here; a tensor-parallel leader
+        stops its followers)."""
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs if this runner uses them and has none yet (idempotent)."""

@@ -14,6 +14,12 @@ a fixed stride across consecutive layers, since buffers of one group are stacked
 all on the caller's current stream, so the step that first reads the slot is ordered after it.
 Entries past a slot's rank are never read by the kernels, so nothing is cleared on eviction.
 
+Under tensor parallelism (`shard`), each rank's buffers hold its shard as S-LoRA lays it out:
+column-parallel groups (qkv, gate_up) keep A whole and the rank's rows of B, row-parallel ones
+(o, down) the rank's input columns of A and B whole (parallel/shard.py). The payload stays the
+store's one layout for every TP size: the copy reads the rank's part through strided views of the
+staged payload, once, into the slot.
+
 A payload should arrive in the slots' dtype (the store's --serving-dtype equal to the worker's
 --dtype). Otherwise the copy converts it, explicitly and with a warning naming both dtypes, where
 it cannot overflow: from float32 (the store folds the scale in float32, so this rounds exactly as
@@ -30,6 +36,8 @@ import torch
 from loraserve.contract.adapter_layout import GROUPS, group_dims
 from loraserve.contract.payload import PayloadTensor
 from loraserve.inference_worker.lora.payload import AdapterPayload, parse_name, torch_dtype
+from loraserve.inference_worker.model.config import ModelConfig
+from loraserve.inference_worker.parallel.shard import Range, TensorShard
 
 log = logging.getLogger(__name__)
 GROUP_INDEX = {g.name: i for i, g in enumerate(GROUPS)}
@@ -56,7 +64,13 @@ class CopyRun:
 
 class LoRASlots:
     def __init__(
-        self, hf_config: dict, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        hf_config: dict,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: TensorShard | None = None,
     ) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
@@ -67,8 +81,19 @@ class LoRASlots:
         self.out_sizes: dict[str, list[int]] = {}
         self.a_all: dict[str, torch.Tensor] = {}
         self.b_all: dict[str, torch.Tensor] = {}
+        # a payload's dims (the whole model's); in_features / out_sizes: this process's buffers
+        self.payload_in: dict[str, int] = {}
+        self.payload_out: dict[str, int] = {}
+        # group -> (B rows per slice, A input columns) of this rank, in the payload's tensors
+        self.shard_ranges: dict[str, tuple[list[Range], Range]] | None = None
+        model_cfg = ModelConfig.from_dict(hf_config) if shard is not None else None
         for g in GROUPS:
             n_in, outs = group_dims(hf_config, g)
+            self.payload_in[g.name], self.payload_out[g.name] = n_in, sum(outs)
+            if shard is not None and model_cfg is not None:
+                rows, cols = shard.out_ranges(model_cfg, g.name), shard.in_range(model_cfg, g.name)
+                self.shard_ranges = {**(self.shard_ranges or {}), g.name: (rows, cols)}
+                n_in, outs = cols[1], [n for _, n in rows]
             self.in_features[g.name], self.out_sizes[g.name] = n_in, outs
             self.a_all[g.name] = torch.zeros(
                 n, max_loras, len(outs), max_rank, n_in, dtype=dtype, device=self.device
@@ -116,8 +141,8 @@ class LoRASlots:
                 raise SlotLoadError(str(exc)) from None
             if layer >= self.num_layers:
                 raise SlotLoadError(f"tensor {t.name} names layer {layer}; the model has {self.num_layers}")
-            n_slices, n_in = len(self.out_sizes[group]), self.in_features[group]
-            n_out = sum(self.out_sizes[group])
+            n_slices, n_in = len(self.out_sizes[group]), self.payload_in[group]
+            n_out = self.payload_out[group]
             ok = (
                 (len(t.shape) == 3 and t.shape[0] == n_slices and t.shape[2] == n_in)
                 if which == "lora_a"
@@ -223,11 +248,27 @@ class LoRASlots:
             )
             r = run.shape[1]
             layers = slice(run.first_layer, run.first_layer + run.num_layers)
-            if run.which == "lora_a":
+            if self.shard_ranges is not None:
+                self._copy_shard(run, src, layers, slot)
+            elif run.which == "lora_a":
                 self.a_all[run.group][layers, slot, :, :r, :].copy_(src, non_blocking=True)
             else:
                 self.b_all[run.group][layers, slot, :, :r].copy_(src, non_blocking=True)
         self.ranks[:, :, slot].copy_(ranks)
+
+    def _copy_shard(self, run: CopyRun, src: torch.Tensor, layers: slice, slot: int) -> None:
+        # src: a run's whole tensors, [layers, slices, r, in] (A) or [layers, out, r] (B)
+        assert self.shard_ranges is not None
+        rows, (c0, nc) = self.shard_ranges[run.group]
+        r = run.shape[1]
+        if run.which == "lora_a":
+            self.a_all[run.group][layers, slot, :, :r, :].copy_(src[..., c0 : c0 + nc], non_blocking=True)
+            return
+        dst = self.b_all[run.group][layers, slot]  # [layers, out on this rank, R]
+        off = 0
+        for r0, n in rows:
+            dst[:, off : off + n, :r].copy_(src[:, r0 : r0 + n], non_blocking=True)
+            off += n
 
     def clear(self, slot: int) -> None:
         """Mark `slot` empty (rank 0 everywhere): rows pointing at it get no delta."""

@@ -123,7 +123,10 @@ class Attention(nn.Module):
         qkv_bias: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        row_linear: Callable[..., GroupedLinear] = GroupedLinear,
     ) -> None:
+        """num_heads, num_kv_heads: the heads this process holds (a shard under tensor parallelism);
+        `row_linear` builds the output projection (row-parallel there)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -131,7 +134,7 @@ class Attention(nn.Module):
         self.qkv = GroupedLinear(
             layer, "qkv", hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias, dtype, device
         )
-        self.o = GroupedLinear(layer, "o", self.q_size, [hidden], False, dtype, device)
+        self.o = row_linear(layer, "o", self.q_size, [hidden], False, dtype, device)
         # set by the model runner once the cache is allocated
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None

@@ -6,6 +6,9 @@ Projections are the adapter-layout groups: self_attn.qkv, self_attn.o, mlp.gate_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -15,6 +18,24 @@ from loraserve.inference_worker.model.config import ModelConfig, rope_inv_freq
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.linear import GroupedLinear
 from loraserve.inference_worker.model.rope import rope_cache
+
+# builds a row-parallel projection: (layer, group, in_features, out_sizes, bias, dtype, device)
+LinearFactory = Callable[[int, str, int, list[int], bool, torch.dtype, torch.device | str], GroupedLinear]
+
+
+@dataclass(frozen=True)
+class LocalDims:
+    """The sizes of the part of the model one process holds: all of it without tensor
+    parallelism, one rank's shard with it (parallel/shard.py)."""
+
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_rows: int  # rows of embed_tokens and lm_head
+
+    @classmethod
+    def whole(cls, cfg: ModelConfig) -> LocalDims:
+        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
 
 
 def use_fused_kernels(device: torch.device | str) -> bool:
@@ -47,14 +68,20 @@ class RMSNorm(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, layer: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        layer: int,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        row_linear: LinearFactory = GroupedLinear,
     ) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up = GroupedLinear(
             layer, "gate_up", hidden, [intermediate, intermediate], False, dtype, device
         )
-        self.down = GroupedLinear(layer, "down", intermediate, [hidden], False, dtype, device)
+        self.down = row_linear(layer, "down", intermediate, [hidden], False, dtype, device)
         self.fused = use_fused_kernels(device)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -68,15 +95,31 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, layer: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layer: int,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        dims: LocalDims,
+        row_linear: LinearFactory = GroupedLinear,
+    ) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(
-            layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, dtype, device
+            layer,
+            h,
+            dims.num_heads,
+            dims.num_kv_heads,
+            cfg.head_dim,
+            cfg.qkv_bias,
+            dtype,
+            device,
+            row_linear,
         )
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(layer, h, cfg.intermediate_size, dtype, device)
+        self.mlp = MLP(layer, h, dims.intermediate_size, dtype, device, row_linear)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, batch: ForwardBatch
@@ -88,22 +131,32 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        dims: LocalDims | None = None,
+        row_linear: LinearFactory = GroupedLinear,
+    ) -> None:
+        """`dims` and `row_linear` (the o and down projections) shape one tensor-parallel rank's
+        shard (model/sharded_llama.py); by default the whole model."""
         super().__init__()
         self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
-        h = cfg.hidden_size
-        self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, h, dtype=dtype, device=device), requires_grad=False
-        )
+        self.dims = dims = dims if dims is not None else LocalDims.whole(cfg)
+        self.num_kv_heads = dims.num_kv_heads  # KV heads in this process's cache
+        self.vocab_start = 0  # first vocabulary row of embed_tokens / lm_head
+        h, v = cfg.hidden_size, dims.vocab_rows
+        self.embed_tokens = nn.Parameter(torch.empty(v, h, dtype=dtype, device=device), requires_grad=False)
         # a ModuleList, typed as what it holds
         self.layers: list[DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
-            DecoderLayer(i, cfg, dtype, device) for i in range(cfg.num_layers)
+            DecoderLayer(i, cfg, dtype, device, dims, row_linear) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, h, dtype=dtype, device=device), requires_grad=False)
+            else nn.Parameter(torch.empty(v, h, dtype=dtype, device=device), requires_grad=False)
         )
         self.cos_sin: torch.Tensor  # [max_positions, head_dim] cos | sin
         self.register_buffer(

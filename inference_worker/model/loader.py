@@ -1,7 +1,8 @@
 """Load a Hugging Face checkpoint directory into `LlamaModel`, fusing q|k|v and gate|up at load.
 
 Reads config.json, model.safetensors or the shards named by model.safetensors.index.json, and
-tokenizer.json (through `tokenizers`). Every missing file, unknown or missing tensor and shape
+tokenizer.json (through `tokenizers`). Under tensor parallelism each rank reads only its slice of
+each tensor (`safe_open(...).get_slice`, parallel/shard.py says which). Every missing file, unknown or missing tensor and shape
 mismatch is a `ModelConfigError` naming it, raised at start-up.
 """
 
@@ -11,6 +12,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -20,6 +22,9 @@ from loraserve.contract.adapter_layout import GROUPS
 from loraserve.inference_worker.model.config import ModelConfig, ModelConfigError
 from loraserve.inference_worker.model.linear import GroupedLinear
 from loraserve.inference_worker.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from loraserve.inference_worker.parallel.group import TensorParallelGroup
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # the decoder-layer module holding each adapter-layout group
@@ -52,10 +57,12 @@ def checkpoint_files(directory: Path) -> list[Path]:
 def _target(model: LlamaModel, name: str) -> tuple[torch.Tensor, int, int]:
     """HF tensor name -> (destination parameter, row offset, row count) or raises."""
     cfg = model.config
+    # the vocabulary rows the checkpoint holds for this process (a shard's padding rows stay zero)
+    vocab = min(model.dims.vocab_rows, cfg.vocab_size - model.vocab_start)
     if name == "model.embed_tokens.weight":
-        return model.embed_tokens, 0, cfg.vocab_size
+        return model.embed_tokens, 0, vocab
     if name == "lm_head.weight" and not cfg.tie_word_embeddings:
-        return model.lm_head, 0, cfg.vocab_size
+        return model.lm_head, 0, vocab
     if name == "model.norm.weight":
         return model.norm.weight, 0, cfg.hidden_size
     m = _LAYER.fullmatch(name)
@@ -81,14 +88,23 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     on_progress: Callable[[int, int], None] | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaModel:
-    """`on_progress(tensors loaded, tensors expected)` is called after each tensor (a progress bar)."""
+    """`on_progress(tensors loaded, tensors expected)` is called after each tensor (a progress bar).
+    With `tp`, the rank's shard (model/sharded_llama.py)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ModelConfigError(f"model directory {directory} does not exist")
     cfg = ModelConfig.from_dir(directory)
     files = checkpoint_files(directory)
-    model = LlamaModel(cfg, dtype, device)
+    if tp is None:
+        model = LlamaModel(cfg, dtype, device)
+    else:
+        from loraserve.inference_worker.model.sharded_llama import ShardedLlamaModel
+        from loraserve.inference_worker.parallel.shard import check_tensor_parallel
+
+        check_tensor_parallel(cfg, tp.size)
+        model = ShardedLlamaModel(cfg, dtype, device, tp)
     names = {(id(p), off): n for n, p, off in _named_targets(model)}
     seen: set[tuple[int, int]] = set()
     for path in files:
@@ -99,7 +115,7 @@ def load_model(
                 ):
                     continue
                 param, off, rows = _target(model, name)
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(name) if tp is None else _read_shard(f, name, cfg, tp)
                 want = (rows, *param.shape[1:])
                 if tuple(tensor.shape) != want:
                     raise ModelConfigError(
@@ -113,6 +129,16 @@ def load_model(
     if missing:
         raise ModelConfigError(f"checkpoint lacks tensors: {', '.join(sorted(names[m] for m in missing))}")
     return model
+
+
+def _read_shard(f: Any, name: str, cfg: ModelConfig, tp: TensorParallelGroup) -> torch.Tensor:
+    """The rank's slice of a checkpoint tensor, read without the rest of it."""
+    where = tp.shard.checkpoint_slice(cfg, name)
+    if where is None:
+        return f.get_tensor(name)
+    dim, (start, count) = where
+    part = f.get_slice(name)
+    return part[start : start + count] if dim == 0 else part[:, start : start + count]
 
 
 def _named_targets(model: LlamaModel) -> list[tuple[str, torch.Tensor, int]]:

@@ -1,0 +1,85 @@
+"""The process groups of one tensor-parallel worker and the collectives its forward pass uses.
+
+`device_group` carries the forward's collectives (NCCL on CUDA, gloo on CPU): all-reduce of the
+row-parallel outputs and of the vocab-parallel embedding, all-gather of the vocab-parallel logits.
+`cpu_group` (gloo) carries rank 0's step plans and adapter payloads to the followers, so the
+control plane never waits behind GPU work. On CPU both are the default gloo group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from loraserve.inference_worker.parallel.shard import TensorShard
+
+IDLE_TIMEOUT = timedelta(days=365)
+# the gather into one tensor; named all_gather_into_tensor before torch 2.13
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class TensorParallelGroup:
+    shard: TensorShard
+    device: torch.device
+    device_group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    @classmethod
+    def initialize(cls, rank: int, size: int, device: torch.device, store: dist.Store) -> TensorParallelGroup:
+        """Join the `size`-rank group through `store` (rank 0 hosts it); NCCL on CUDA, else gloo.
+
+        Followers wait for rank 0's next message for as long as the worker is idle, so collectives
+        get no practical timeout; a rank that dies closes its sockets, which the others see at once."""
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=IDLE_TIMEOUT,
+            device_id=device if cuda else None,
+        )
+        world = dist.group.WORLD
+        assert world is not None
+        cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if cuda else world
+        return cls(TensorShard(rank, size), device, world, cpu_group)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """t summed over the ranks, in place (t contiguous)."""
+        dist.all_reduce(t, group=self.device_group)
+
+    def all_gather_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """t [n, c] on every rank -> [n, size * c], rank r's columns at [r * c, (r + 1) * c)."""
+        n, c = t.shape
+        out = torch.empty((self.size * n, c), dtype=t.dtype, device=t.device)  # [size * n, c]
+        _all_gather_single(out, t.contiguous(), group=self.device_group)
+        return out.view(self.size, n, c).permute(1, 0, 2).reshape(n, self.size * c)
+
+    def broadcast_int(self, value: int) -> int:
+        """rank 0's `value` on every rank."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self.cpu_group)
+        return int(t.item())
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
