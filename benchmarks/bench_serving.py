@@ -149,9 +149,15 @@ class Bench:
         return summary
 
     # ------------------------------------------------------------------ the N sweep
-    def sweep(self, worker: Service, names: list[str]) -> None:
+    def sweep(self, worker: Service, names: list[str], variant: str = "") -> None:
+        """The N sweep on `worker`; a `variant` (a worker started with other flags) is reported
+        under results["variants"][variant] instead of results["n"]."""
         a = self.args
-        table: dict = self.results["n"]  # type: ignore[assignment]
+        if variant:
+            variants: dict = self.results.setdefault("variants", {})  # type: ignore[assignment]
+            table: dict = variants.setdefault(variant, {"n": {}})["n"]
+        else:
+            table = self.results["n"]  # type: ignore[assignment]
         for i, n in enumerate(a.ns):
             ids = names[:n]
             row: dict[str, object] = {}
@@ -161,11 +167,11 @@ class Bench:
 
             # the first warm-up is longer: the worker's kernels compile for the shapes they meet
             warm = a.first_warmup if i == 0 else a.warmup
-            spy = self.profiled(worker, f"n{n}-warmup", warm) if i == 0 else None
+            spy = self.profiled(worker, f"n{n}-warmup", warm) if i == 0 and not variant else None
             got = self.load(target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address])
             row["warmup"] = got
             spy = spy.wait() if spy is not None else None
-            spy = self.profiled(worker, f"n{n}-saturation", a.duration)
+            spy = None if variant else self.profiled(worker, f"n{n}-saturation", a.duration)
             sat = self.load(
                 target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address]
             )
@@ -180,12 +186,12 @@ class Bench:
                 row[f"load_{int(share * 100)}"] = got
             table[str(n)] = row
             self.save()
-            print(line_for(n, row), flush=True)
+            print(f"{variant or 'default'}: {line_for(n, row)}", flush=True)
         lo, hi = str(min(a.ns)), str(max(a.ns))
         if lo != hi:
             base = table[lo]["saturation"]["request_throughput"]
             top = table[hi]["saturation"]["request_throughput"]
-            self.results["throughput_ratio"] = {
+            (variants[variant] if variant else self.results)["throughput_ratio"] = {
                 "n_high": int(hi),
                 "n_low": int(lo),
                 "ratio": round(top / base, 4),
@@ -326,6 +332,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-prefix", default="loraserve-bench:")
     p.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=lambda v: tuple(v.split("=", 1)) if "=" in v else (v, ""),
+        help="NAME=WORKER_FLAGS: the N sweep again on a worker started with these extra flags",
+    )
     p.add_argument("--profile", type=Path, default=None, help="py-spy the worker into this folder")
     return p
 
@@ -354,6 +367,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench.vocab = int(c.info().vocab_size)
         bench.sweep(worker, names)
         fleet.stop(worker)
+        for name, flags in args.variant:
+            opts = bench.worker_options()
+            opts.extra = [*opts.extra, *flags.split()]
+            worker = fleet.start_worker(f"worker-{name}", model_dir, store.address, opts)
+            bench.sweep(worker, names, variant=name)
+            fleet.stop(worker)
         if args.prefetch_duration > 0:
             redis_url = args.redis_url or fleet.start_redis(args.redis_server)[1]
             bench.prefetch(fleet, model_dir, store.address, names, redis_url)
