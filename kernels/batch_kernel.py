@@ -47,7 +47,9 @@ def _build_work(  # type: ignore[no-untyped-def]
         tl.store(end_ptr + ws, tl.where(valid, end, 0), mask=in_bound)
 
 
-@triton.jit
+# token_slots is a slice of the step's packed metadata at an offset that changes from step to step:
+# left unspecialized on alignment, so no step compiles a new variant of this one-program kernel
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def prepare_kernel(  # type: ignore[no-untyped-def]
     slots_ptr,  # [T] int32, -1 = base model
     num_tokens,

@@ -25,7 +25,10 @@ PART = 512
 TILE = 64
 
 
-@triton.jit
+# The per-step metadata (block tables, context lengths) is sliced out of one packed buffer at offsets
+# that change from step to step, and the block-table width follows the longest context: left
+# unspecialized (scalar loads either way), so these never compile a new variant under traffic.
+@triton.jit(do_not_specialize=["s_btb"], do_not_specialize_on_alignment=["BT", "CL"])
 def _decode_part_kernel(  # type: ignore[no-untyped-def]
     Q,
     K,
@@ -100,7 +103,7 @@ def _decode_part_kernel(  # type: ignore[no-untyped-def]
         tl.store(ACC + mo[:, None] * D + offs_d[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["CL"])
 def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     M,
     L,
