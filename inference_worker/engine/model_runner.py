@@ -106,10 +106,11 @@ class ModelRunner:
             tables += [[0]] * extra
             token_slots += [-1] * extra
             logits_idx += list(range(len(logits_idx), pad_to))
-        n_tok, n_seq, n_log = len(ids), len(ctx_lens), len(logits_idx)
-        # two host buffers, one copy each: int64 [ids | pos | slots | logits_idx], int32 [ctx | slots | tables]
+        n_tok, n_seq, n_log, n_pre = len(ids), len(ctx_lens), len(logits_idx), len(sched.prefills)
+        # two host buffers, one copy each: int64 [ids | pos | slots | logits_idx],
+        # int32 [ctx | slots | prefill query starts | tables]
         h64 = torch.tensor(ids + pos + slots + logits_idx, dtype=torch.int64)
-        flat = ctx_lens + token_slots
+        flat = ctx_lens + token_slots + query_start[: n_pre + 1]
         zeros = [0] * width
         for t in tables:
             flat += t
@@ -125,13 +126,14 @@ class ModelRunner:
             logits_indices=h64[3 * n_tok : 3 * n_tok + n_log],
             context_lens=h32[:n_seq],
             token_slots=h32[n_seq : n_seq + n_tok],
-            block_tables=h32[n_seq + n_tok :].view(n_seq, width),
-            num_prefills=len(sched.prefills),
+            block_tables=h32[n_seq + n_tok + n_pre + 1 :].view(n_seq, width),
+            num_prefills=n_pre,
             num_prefill_tokens=num_prefill_tokens,
             num_decodes=n_seq - len(sched.prefills),
             query_start=query_start,
             context_lens_cpu=ctx_lens[: len(query_start) - 1],
             seq_slots=seq_slots,
+            prefill_query_start=h32[n_seq + n_tok : n_seq + n_tok + n_pre + 1] if n_pre else None,
         )
         return batch, sample_seqs
 
