@@ -113,10 +113,11 @@ class ModelRunner:
             tables += [[0]] * extra
             token_slots += [-1] * extra
             logits_idx += list(range(len(logits_idx), pad_to))
-        n_tok, n_seq, n_log = len(ids), len(ctx_lens), len(logits_idx)
-        # two host buffers, one copy each: int64 [ids | pos | slots | logits_idx], int32 [ctx | slots | tables]
+        n_tok, n_seq, n_log, n_pre = len(ids), len(ctx_lens), len(logits_idx), len(sched.prefills)
+        # two host buffers, one copy each: int64 [ids | pos | slots | logits_idx],
+        # int32 [ctx | slots | prefill query starts | tables]
         h64 = torch.tensor(ids + pos + slots + logits_idx, dtype=torch.int64)
-        flat = ctx_lens + token_slots
+        flat = ctx_lens + token_slots + query_start[: n_pre + 1]
         zeros = [0] * width
         for t in tables:
             flat += t
@@ -141,7 +142,7 @@ class ModelRunner:
 
     def to_device(self, plan: StepPlan) -> ForwardBatch:
         h64, h32 = plan.h64, plan.h32
-        n_tok, n_seq, n_log = plan.num_tokens, plan.num_seqs, plan.num_logits
+        n_tok, n_seq, n_log, n_pre = plan.num_tokens, plan.num_seqs, plan.num_logits, plan.num_prefills
         if self.device.type == "cuda":
             h64 = h64.pin_memory().to(self.device, non_blocking=True)
             h32 = h32.pin_memory().to(self.device, non_blocking=True)
@@ -152,13 +153,14 @@ class ModelRunner:
             logits_indices=h64[3 * n_tok : 3 * n_tok + n_log],
             context_lens=h32[:n_seq],
             token_slots=h32[n_seq : n_seq + n_tok],
-            block_tables=h32[n_seq + n_tok :].view(n_seq, plan.width),
+            block_tables=h32[n_seq + n_tok + n_pre + 1 :].view(n_seq, plan.width),
             num_prefills=plan.num_prefills,
             num_prefill_tokens=plan.num_prefill_tokens,
             num_decodes=n_seq - plan.num_prefills,
             query_start=plan.query_start,
             context_lens_cpu=plan.context_lens_cpu,
             seq_slots=plan.seq_slots,
+            prefill_query_start=h32[n_seq + n_tok : n_seq + n_tok + n_pre + 1] if n_pre else None,
         )
 
     def build_batch(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[ForwardBatch, list[Sequence]]:

@@ -4,7 +4,8 @@ The model runner builds it from the scheduler's batch and runs it; a tensor-para
 rank 0 also sends it to the other ranks (parallel/step_channel.py), which run the same plan.
 
     h64  int64 [ids | positions | slot_mapping | logits_indices]   (num_tokens x 3 + num_logits)
-    h32  int32 [context_lens | token_slots | block_tables]          (num_seqs + num_tokens + num_seqs x width)
+    h32  int32 [context_lens | token_slots | prefill query starts | block_tables]
+         (num_seqs + num_tokens + num_prefills + 1 + num_seqs x width)
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ KV cache of one layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, h
 sequence's tokens live in the blocks of its block table, token p at (table[p // bs], p % bs).
 Block 0 is never handed to a sequence: padded rows of a CUDA graph write there.
 
-Prefill segments attend causally to their cached prefix plus themselves (SDPA, one call per
-segment); decode rows attend to their whole context through the block table, either with the
-plain-torch gather below (CPU, reference) or the Triton paged-decode kernel (CUDA).
+Prefill segments attend causally to their cached prefix plus themselves: on CPU (and as the
+reference) with SDPA, one call per segment; on CUDA with the Triton paged-prefill kernel, one
+launch for all segments, reading K/V from the cache. Decode rows attend to their whole context
+through the block table, either with the plain-torch gather below (CPU, reference) or the Triton
+paged-decode kernel (CUDA).
 """
 
 from __future__ import annotations
@@ -167,14 +169,14 @@ class Attention(nn.Module):
             write_kv(self.k_cache, self.v_cache, k, v, batch.slot_mapping)
         p = batch.num_prefill_tokens
         if batch.num_decodes == 0:
-            out = prefill_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+            out = self._prefill(q, k, v, batch)
         elif batch.num_prefills == 0:
             out = self.decode_attention(
                 q, self.k_cache, self.v_cache, batch.block_tables, batch.context_lens, self.scale
             )
         else:
             out = torch.empty_like(q)
-            out[:p] = prefill_attention(q[:p], k[:p], v[:p], self.k_cache, self.v_cache, batch, self.scale)
+            self._prefill(q[:p], k[:p], v[:p], batch, out[:p])
             np_ = batch.num_prefills
             out[p:] = self.decode_attention(
                 q[p:],
@@ -185,3 +187,31 @@ class Attention(nn.Module):
                 self.scale,
             )
         return self.o(out.reshape(t, self.q_size), batch)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # q, out: [P, nh, d], k, v: [P, nkv, d] (the prefill tokens, already in the cache) -> out
+        assert self.k_cache is not None and self.v_cache is not None
+        if not self.fused:
+            o = prefill_attention(q, k, v, self.k_cache, self.v_cache, batch, self.scale)
+            return o if out is None else out.copy_(o)
+        from loraserve.inference_worker.model.prefill_attention import paged_prefill_attention
+
+        assert batch.prefill_query_start is not None, "prefill step without device query starts"
+        n = batch.num_prefills
+        return paged_prefill_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            batch.block_tables[:n],
+            batch.context_lens[:n],
+            batch.prefill_query_start,
+            self.scale,
+            out=out,
+        )

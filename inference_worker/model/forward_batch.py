@@ -10,6 +10,7 @@ segment of `query_lens[i]` tokens per prefilling sequence), then one token per d
     block_tables   [S, max_blocks] int32  physical KV blocks of each sequence (0-padded)
     context_lens   [S] int32   tokens in the cache for each sequence after this step
     query_start    [S + 1]     offsets of each sequence's tokens in the flat batch (CPU list)
+    prefill_query_start [num_prefills + 1] int32  the prefills' part of query_start, on the device
     logits_indices [N] int64   rows whose next-token logits are needed (last token of a segment)
 
 `lora` is the step's `kernels.LoRABatch` (its rows grouped by slot; None: no adapter in the batch),
@@ -42,6 +43,8 @@ class ForwardBatch:
     context_lens_cpu: list[int] = field(default_factory=list)  # [S], host ints
     seq_slots: list[int] = field(default_factory=list)  # [S] LoRA slot per sequence (-1 base)
     lora: LoRABatch | None = None
+    # read by the prefill attention kernel; None when the step has no prefill
+    prefill_query_start: torch.Tensor | None = None
     # causal masks of the prefill segments that attend to a cached prefix, by segment index;
     # built by the first attention layer, reused by the others
     prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)

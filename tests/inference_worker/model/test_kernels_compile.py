@@ -1,5 +1,5 @@
-"""The worker's Triton kernels (RMSNorm, RoPE + KV-cache write, SiLU x up, paged decode attention)
-compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and Llama-3-8B shapes, and use no more
+"""The worker's Triton kernels (RMSNorm, RoPE + KV-cache write, SiLU x up, paged decode and prefill
+attention) compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and Llama-3-8B shapes, and use no more
 registers than they have (tests/helpers/triton_compile.py records the launches of the real wrappers)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from loraserve.inference_worker.model import decode_attention, fused_ops
+from loraserve.inference_worker.model import decode_attention, fused_ops, prefill_attention
 from tests.helpers.triton_compile import compile_launch, record_launches, resources
 
 # (hidden, intermediate, heads, kv heads, head_dim)
@@ -47,3 +47,25 @@ def test_worker_kernels_compile_for_hopper(monkeypatch, shape) -> None:
     for kernel, args, kwargs in launches:
         use = resources(compile_launch(kernel, args, kwargs).asm["cubin"])
         assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, use)
+
+
+# bf16 and fp16 compile alike; fp32 takes the exact (FMA) products and its own tile sizes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_prefill_attention_compiles_for_hopper(monkeypatch, shape, dtype) -> None:
+    _, _, nh, nkv, d = SHAPES[shape]
+    launches = record_launches(monkeypatch, prefill_attention, "_prefill_kernel")
+    cache = torch.zeros(8, 16, nkv, d, dtype=dtype)  # [blocks, block size, kv heads, head_dim]
+    prefill_attention.paged_prefill_attention(
+        torch.zeros(5, nh, d, dtype=dtype),
+        cache,
+        cache.clone(),
+        torch.zeros(2, 8, dtype=torch.int32),
+        torch.tensor([3, 20], dtype=torch.int32),
+        torch.tensor([0, 3, 5], dtype=torch.int32),
+        d**-0.5,
+    )
+    assert len(launches) == 1
+    kernel, args, kwargs = launches[0]
+    use = resources(compile_launch(kernel, args, kwargs).asm["cubin"])
+    assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, use)
