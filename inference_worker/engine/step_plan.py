@@ -40,3 +40,8 @@ class StepPlan:
     query_start: list[int]  # [S + 1] host ints, real sequences only
     context_lens_cpu: list[int]  # [S]
     seq_slots: list[int]  # [S] LoRA slot per sequence (-1 base)
+
+    @staticmethod
+    def h32_numel(num_tokens: int, num_seqs: int, num_prefills: int, width: int) -> int:
+        """Elements of h32 for these sizes (its layout above)."""
+        return num_seqs + num_tokens + num_prefills + 1 + num_seqs * width
