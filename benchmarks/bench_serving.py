@@ -9,11 +9,11 @@ processes over gRPC, driven by `loraserve bench`'s load generator.
    saturation (a closed loop of 2 x max_num_seqs requests in flight), then Poisson arrivals at 50%
    and 80% of that throughput: TTFT percentiles, overall and by the tier each request's adapter was
    in when it arrived (gpu / cpu / store, as the worker reports it per request).
-3. Popularity prefetch (`--prefetch-duration`): two workers sharing Redis. The first serves
-   traffic alone while the second idles; then the router spreads the traffic over both ("both");
-   then the first goes away (a restart, a scale-in) and the second serves alone ("replaced").
-   Each time, the share of requests whose adapter was resident (GPU or CPU tier) on arrival, with
-   prefetch off and on.
+3. Popularity prefetch (`--prefetch-duration`): two workers sharing Redis. A warm phase through
+   the router over both (`--prefetch-warmup`, "warm"), so the fleet is measured in steady state;
+   then Poisson traffic through the router ("both"); then the first goes away (a restart, a
+   scale-in) and the second serves alone ("replaced"). Each time, the share of requests whose
+   adapter was resident (GPU or CPU tier) on arrival, with prefetch off and on.
 
     python benchmarks/bench_serving.py --shape 1b --num-adapters 1000 --ns 5,100,1000 --json out.json
     python benchmarks/bench_serving.py --shape tiny --device cpu --num-adapters 24 --ns 2,24 \\
@@ -200,6 +200,10 @@ class Bench:
 
     # ------------------------------------------------------------------ popularity prefetch
     def prefetch(self, fleet: Fleet, model_dir: Path, store: str, names: list[str], redis_url: str) -> None:
+        """Two workers sharing Redis, prefetch off and on. A warm phase through the router over
+        both (a closed loop for `--prefetch-warmup` s: the decayed counts settle and the tiers
+        fill), then the measured phase (Poisson, "both"), then the first worker is stopped and
+        the router sends everything to the second ("replaced"). The resident share of each."""
         a = self.args
         ids = names[: max(a.ns)]
         out: dict[str, object] = {}
@@ -228,35 +232,28 @@ class Bench:
         for pair in started.values():
             for svc in pair:
                 fleet.wait_worker(svc)
+        rate = a.prefetch_rate or 0.5 * self._saturation(ids)
         for v, (first, second) in started.items():
-            # the first worker serves alone while the second idles (prefetching when on)
-            alone = [first.address]
             both = [first.address, second.address]
-            self.load(
-                functools.partial(RouterTarget, alone, Sampling(timeout_s=600)),
-                ids,
-                rate=None,
-                duration=a.prefetch_warmup,
-                seed=7,
-            )
-            rate = a.prefetch_rate or 0.5 * self._saturation(ids)
-            got = self.load(
+            metrics = [first.metrics_address, second.metrics_address]
+            phases: dict[str, dict] = {}
+            phases["warm"] = self.load(
                 functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
-                ids, rate=rate, duration=a.prefetch_duration, seed=8,
-                metrics=[first.metrics_address, second.metrics_address],
+                ids, rate=None, duration=a.prefetch_warmup, seed=7, metrics=metrics,
+            )  # fmt: skip
+            phases["both"] = self.load(
+                functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
+                ids, rate=rate, duration=a.prefetch_duration, seed=8, metrics=metrics,
             )  # fmt: skip
             # then the first worker goes away (a restart, a scale-in): the second serves alone
             fleet.stop(first)
-            alone_second = self.load(
+            phases["replaced"] = self.load(
                 functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
                 ids, rate=rate, duration=a.prefetch_duration, seed=9, metrics=[second.metrics_address],
             )  # fmt: skip
-            out[v] = {"both": got, "replaced": alone_second}
-            print(
-                f"prefetch {v}: resident share {got['resident_share']} on both workers, "
-                f"{alone_second['resident_share']} once the first is gone",
-                flush=True,
-            )
+            out[v] = phases
+            shares = ", ".join(f"{phase} {got['resident_share']}" for phase, got in phases.items())
+            print(f"prefetch {v}: resident share {shares}", flush=True)
             fleet.stop(second)
             self.results["prefetch"] = out
             self.save()
@@ -325,7 +322,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=15.0, help="seconds per measured run")
     p.add_argument("--prefetch", type=int, default=32, help="adapters prefetched per round when on")
     p.add_argument("--prefetch-duration", type=float, default=15.0, help="0 = skip the two-worker runs")
-    p.add_argument("--prefetch-warmup", type=float, default=10.0)
+    p.add_argument(
+        "--prefetch-warmup",
+        type=float,
+        default=120.0,
+        help="seconds of saturating load through the router over both workers before the measured "
+        "phase (a few thousand requests: under Zipf over 1,000 adapters, fewer leave most of the "
+        "tail never seen)",
+    )
     p.add_argument("--prefetch-rate", type=float, default=0.0, help="req/s (default: half of saturation)")
     p.add_argument("--redis-url", default="", help="an existing Redis (else --redis-server is started)")
     p.add_argument("--redis-server", default="redis-server", help="redis-server binary to start")

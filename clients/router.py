@@ -5,9 +5,13 @@ more adapters than one worker's slots without thrashing them:
 
     1. workers holding the adapter in a GPU slot, least loaded first;
     2. workers holding it in the CPU cache, least loaded first;
-    3. otherwise workers with a free GPU slot (nothing to evict there), then the rest; within each,
-       rendezvous (highest-random-weight) hashing of the adapter id, so each adapter has a stable
-       home and adapters spread evenly. Base requests go to the least loaded worker.
+    3. otherwise the adapter's home and then the rest in rendezvous order (`placement`): the home
+       is the same worker that prefetches the adapter when it becomes popular, so repeated
+       requests for an adapter held nowhere land on one worker and hit after the first.
+    Bounded imbalance: a worker whose load is over `max(max_imbalance, least)` above the least
+    loaded live worker's (`least`) loses its place and comes after every other worker, so a
+    popular adapter's holder is not sent everything while it is overloaded (the next worker
+    fetches a copy). Base requests go to the least loaded worker.
 
 Residency and load come from each worker's ListAdapters and GetWorkerInfo, cached for `refresh_s`.
 A worker that answers UNAVAILABLE is skipped for `down_s` and the request is retried on the next
@@ -20,7 +24,6 @@ candidate (a stream only while it has produced nothing).
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loraserve.clients.placement import weight
 from loraserve.clients.worker_client import Delta, Generation, WorkerClient
 from loraserve.v1 import worker_pb2
 
@@ -71,8 +75,28 @@ def _base_id(adapter_id: str) -> str:
     return adapter_id.split("@", 1)[0]
 
 
-def _weight(adapter_id: str, address: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{adapter_id}\0{address}".encode()).digest()[:8], "big")
+MAX_IMBALANCE = 16  # sequences over the least loaded worker before a holder loses its place
+
+
+def order_workers(
+    adapter_id: str, live: Sequence[WorkerView], max_imbalance: int = MAX_IMBALANCE
+) -> list[WorkerView]:
+    """`live` in the order a request for `adapter_id` ("" = the base model) should try them."""
+    if not live:
+        return []
+    least = min(w.load for w in live)
+    aid = _base_id(adapter_id)
+
+    def rank(w: WorkerView) -> tuple[int, int, int, int]:
+        over = int(w.load - least > max(max_imbalance, least))
+        if not aid:
+            return (over, w.load, 0, 0)
+        home_order = -weight(aid, w.address)
+        if aid in w.gpu or aid in w.cpu:  # a holder, GPU first, the least loaded first
+            return (over, 0 if aid in w.gpu else 1, w.load, home_order)
+        return (over, 2, 0, home_order)  # held nowhere: the adapter's home, then rendezvous order
+
+    return sorted(live, key=rank)
 
 
 class WorkerRouter:
@@ -87,10 +111,12 @@ class WorkerRouter:
         timeout: float | None = None,
         tls: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        max_imbalance: int = MAX_IMBALANCE,
     ) -> None:
         if not addresses:
             raise ValueError("a router needs at least one worker address")
         self.refresh_s, self.down_s, self._clock = refresh_s, down_s, clock
+        self.max_imbalance = max_imbalance
         self._lock = threading.Lock()
         self.workers = [
             WorkerView(a, WorkerClient(a, token=token, tls_ca=tls_ca, timeout=timeout, tls=tls))
@@ -120,18 +146,7 @@ class WorkerRouter:
                 if now - w.seen_at >= self.refresh_s and now >= w.down_until:
                     self._refresh(w, now)
             live = [w for w in self.workers if now >= w.down_until] or list(self.workers)
-        aid = _base_id(adapter_id)
-        if not aid:
-            return sorted(live, key=lambda w: w.load)
-
-        def rank(w: WorkerView) -> tuple[int, int, int]:
-            if aid in w.gpu or aid in w.cpu:
-                # held somewhere: least loaded holder first
-                return (0 if aid in w.gpu else 1, w.load, -_weight(aid, w.address))
-            # held nowhere: a free slot first, then the adapter's stable home
-            return (2 if len(w.gpu) < w.max_loras else 3, 0, -_weight(aid, w.address))
-
-        return sorted(live, key=rank)
+        return order_workers(adapter_id, live, self.max_imbalance)
 
     def pick(self, adapter_id: str = "") -> str:
         return self.candidates(adapter_id)[0].address

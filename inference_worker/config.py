@@ -44,8 +44,8 @@ _HELP = {
     "max_cpu_lora_mb": "CPU cache budget for adapter payloads, in MiB",
     "adapter_lookahead": "waiting requests whose adapters are fetched ahead of their turn (0 = off; "
     "at most half the CPU cache)",
-    "adapter_prefetch": "adapters fetched per coordination round from the fleet's most popular into "
-    "free CPU cache room (0 = off)",
+    "adapter_prefetch": "adapters fetched per coordination round from the fleet's most popular that "
+    "complementary placement gives this worker, in place of colder CPU cache entries (0 = off)",
     "adapter_poll_interval_s": "seconds between checks of the store for re-registered or deleted adapters",
     "store_address": "adapter store address host:port (adapters disabled when empty)",
     "store_token": "bearer token sent to the store",

@@ -3,8 +3,8 @@ engine's step loop nor the event loop ever waits on the network.
 
 It reads invalidation events from the stream cursor every `poll_s` and applies them, publishes
 invalidations that the store check queued, and every `interval_s` writes this worker's residency,
-pins, heartbeat and decayed per-adapter request counts, then hands the fleet's summed counts to
-`on_fleet_popularity` (popularity prefetch). A frozen or unreachable Redis stalls only this thread: the worker keeps serving
+pins, heartbeat and decayed per-adapter request counts, then hands the fleet's summed counts, live
+workers and residency (`placement.FleetView`) to `on_fleet_popularity` (popularity prefetch). A frozen or unreachable Redis stalls only this thread: the worker keeps serving
 what it holds and its view of the cluster is stale by at most the stall, then reconciles (the
 cursor resumes where it stopped; the Redis coordinator republishes its shadow).
 """
@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from loraserve.inference_worker.adapters.placement import FleetView
 from loraserve.inference_worker.coordination import FIRST_EVENT_ID, Coordinator
 from loraserve.inference_worker.coordination.coordinator import InvalidationEvent
 
@@ -38,7 +39,7 @@ class CoordinatorSync:
         poll_s: float = POLL_S,
         heartbeat_ttl_s: float = 10.0,
         popularity: Callable[[], dict[str, float]] | None = None,
-        on_fleet_popularity: Callable[[dict[str, float]], object] | None = None,
+        on_fleet_popularity: Callable[[FleetView], object] | None = None,
     ) -> None:
         self.coordinator, self.worker_id, self.address = coordinator, worker_id, address
         self._apply, self._flush, self._info = apply, flush_residency, heartbeat_info
@@ -73,13 +74,19 @@ class CoordinatorSync:
     def heartbeat(self) -> None:
         self.coordinator.heartbeat(self.worker_id, self.address, self.heartbeat_ttl_s, self._info())
 
+    @property
+    def placement_key(self) -> str:
+        """This worker's key in the fleet's rendezvous placement: its address, as routers know it."""
+        return self.address or self.worker_id
+
     def share_popularity(self) -> None:
-        """Publish this worker's counts (kept for a few rounds), read the fleet's, act on them."""
+        """Publish this worker's counts (kept for a few rounds), read the fleet's counts and
+        residency, act on them."""
         if self._popularity is not None:
             ttl = max(3 * self.interval_s, self.heartbeat_ttl_s)
             self.coordinator.publish_popularity(self.worker_id, self._popularity(), ttl)
         if self._on_fleet is not None:
-            self._on_fleet(self.coordinator.fleet_popularity())
+            self._on_fleet(FleetView.read(self.coordinator, self.worker_id, self.placement_key))
 
     # ------------------------------------------------------------------ any thread
     def publish_invalidation(self, adapter_id: str, digest: str, reason: str) -> None:

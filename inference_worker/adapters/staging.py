@@ -9,9 +9,11 @@ evicts such adapters only when nothing else is left to evict. Nothing waits on t
 a fetch is started on the event loop and look-ahead moves on.
 
 Popularity prefetch (the coordinator sync thread, every residency round): with the fleet's decayed
-request counts (each worker publishes its own through the coordinator), a worker whose CPU tier
-has room fetches the most popular adapters it lacks, at most `max_prefetch` per round and never
-more than the room, so a prefetch evicts nothing.
+request counts and residency (`placement.FleetView`), a worker fetches the popular adapters that
+the complementary placement gives it (`placement.plan_moves`: the hot ones, and those no live
+worker holds whose rendezvous home it is), at most `max_prefetch` per round, into free CPU room or
+in place of a strictly less popular CPU-tier entry. Never evicted for a prefetch: an adapter that
+a queued request waits for (`wanted`), one a running sequence uses, a pinned one.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import itertools
 import logging
 from collections.abc import Iterable
 
+from loraserve.inference_worker.adapters.placement import REPLICATE_SHARE, FleetView, plan_moves
 from loraserve.inference_worker.adapters.pool import AdapterPool
-from loraserve.inference_worker.adapters.refs import AdapterRef
+from loraserve.inference_worker.adapters.refs import AdapterRef, split_key
 from loraserve.inference_worker.errors import WorkerError
 
 log = logging.getLogger(__name__)
@@ -29,7 +32,13 @@ log = logging.getLogger(__name__)
 
 class AheadOfNeed:
     def __init__(
-        self, pool: AdapterPool, *, window: int = 16, max_fetches: int = 4, max_prefetch: int = 8
+        self,
+        pool: AdapterPool,
+        *,
+        window: int = 16,
+        max_fetches: int = 4,
+        max_prefetch: int = 8,
+        replicate_share: float = REPLICATE_SHARE,
     ) -> None:
         cpu = pool.tiers.cpu.max_adapters
         if window < 0 or max_fetches < 1 or max_prefetch < 0:
@@ -37,9 +46,11 @@ class AheadOfNeed:
         if window >= cpu:
             raise ValueError(f"the look-ahead window ({window}) must be below the CPU cache's {cpu} adapters")
         self.pool, self.window, self.max_fetches, self.max_prefetch = pool, window, max_fetches, max_prefetch
+        self.replicate_share = replicate_share
         self.num_staged = 0  # adapters copied into a free GPU slot ahead of their request
         self.num_fetched_ahead = 0  # fetches started by look-ahead
         self.num_prefetched = 0  # fetches started by popularity prefetch
+        self.num_displaced = 0  # CPU-tier entries a prefetch replaced with a more popular adapter
 
     # ------------------------------------------------------------------ step thread
     def look_ahead(self, waiting: Iterable[tuple[int, str]]) -> None:
@@ -99,25 +110,32 @@ class AheadOfNeed:
         return True
 
     # ------------------------------------------------------------------ coordinator sync thread
-    def prefetch(self, fleet: dict[str, float]) -> list[str]:
-        """Start fetches of the fleet's most popular adapters this worker lacks, as many as its
-        CPU tier has room for (at most `max_prefetch`); the adapter ids started."""
+    def prefetch(self, view: FleetView) -> list[str]:
+        """Start this round's fetches of the popular adapters the placement gives this worker,
+        evicting the colder entries they replace; the adapter ids started."""
         pool = self.pool
         with pool.lock:
-            room = pool.tiers.cpu.room - len(pool.fetcher.flights) - len(pool.wanted)
-            count = min(room, self.max_prefetch)
-            if count <= 0:
-                return []
-            held = set(pool.tiers.digests()) | {r.adapter_id for r in pool.fetcher.flights}
-            ranked = sorted(fleet.items(), key=lambda kv: (-kv[1], kv[0]))
-            picks = [a for a, _ in ranked if a not in held][:count]
+            tiers = pool.tiers
+            busy = {s.adapter_id for s in tiers.table.slots if s.running > 0}
+            keep = busy | set(pool.wanted) | tiers.table.pins
+            evictable = [(k, a) for k in tiers.cpu.keys() if (a := split_key(k)[0]) not in keep]
+            moves = plan_moves(
+                view,
+                held=set(tiers.digests()) | {r.adapter_id for r in pool.fetcher.flights},
+                room=tiers.cpu.room - len(pool.fetcher.flights) - len(pool.wanted),
+                evictable=evictable,
+                max_moves=self.max_prefetch,
+                replicate_share=self.replicate_share,
+            )
             started = []
-            for adapter_id in picks:
+            for move in moves:
                 try:
-                    ref = AdapterRef.parse(adapter_id)
-                    pool.fetcher.fetch(ref)
+                    pool.fetcher.fetch(AdapterRef.parse(move.adapter_id))
                 except WorkerError:
-                    continue
-                started.append(adapter_id)
+                    continue  # a malformed id, or no store or event loop: its victim stays
+                # the payload lands under this lock, after the eviction
+                if move.victim is not None and tiers.evict_cpu(move.victim):
+                    self.num_displaced += 1
+                started.append(move.adapter_id)
             self.num_prefetched += len(started)
             return started

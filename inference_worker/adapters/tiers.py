@@ -105,6 +105,15 @@ class AdapterTiers:
         self._changed(payload.adapter_id)
         self.update_gauges()
 
+    def evict_cpu(self, key: str) -> bool:
+        """Evict one CPU-tier entry (a prefetch replacing it with a more popular adapter)."""
+        if not self.cpu.remove(key):
+            return False
+        self.metrics.evictions.labels("cpu").inc()
+        self._changed(split_key(key)[0])
+        self.update_gauges()
+        return True
+
     # ------------------------------------------------------------------ both
     def holds(self, key: str) -> bool:
         return self.table.lookup(key) is not None or key in self.cpu

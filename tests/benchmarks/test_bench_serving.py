@@ -42,6 +42,6 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
     assert "store" in got["n"]["12"]["saturation"]["ttft_ms_by_tier"]
     assert got["throughput_ratio"]["ratio"] > 0
     for variant in ("off", "on"):
-        for phase in ("both", "replaced"):
+        for phase in ("warm", "both", "replaced"):
             run = got["prefetch"][variant][phase]
             assert run["failed"] == 0 and 0.0 <= run["resident_share"] <= 1.0, (variant, phase)

@@ -1,6 +1,7 @@
 """Adapters ahead of need: look-ahead stages queued requests' adapters before their turn (bounded,
-never evicting what running or earlier-queued requests need); popularity prefetch fills free CPU
-room with the fleet's most popular adapters, across workers sharing a coordinator."""
+never evicting what running or earlier-queued requests need); popularity prefetch brings in the
+fleet's popular adapters that the complementary placement gives a worker, across workers sharing
+a coordinator (in-process and Redis), replacing colder entries but never needed or pinned ones."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import time
 
 import pytest
 
+from loraserve.clients.placement import home
 from loraserve.inference_worker.adapters import AdapterRef
+from loraserve.inference_worker.adapters.placement import FleetView
 from loraserve.inference_worker.adapters.staging import AheadOfNeed
 from loraserve.inference_worker.coordination import InProcessCoordinator
 from loraserve.inference_worker.errors import WorkerError
@@ -118,25 +121,90 @@ def test_a_failed_look_ahead_fetch_fails_its_requests_once(harness):
         assert e.value.code == "NOT_FOUND"
 
 
-def test_prefetch_fills_free_cpu_room_only(harness):
+def held(h) -> set[str]:
+    return {key.split("@")[0] for key in h.pool.tiers.cpu.keys()}
+
+
+def test_prefetch_fills_free_room_with_the_most_popular(harness):
     h = harness(max_loras=1, max_cpu_loras=3, prefetch=8)
     h.run(h.ensure_cpu("all-r4"))
     fleet = {"qv-r8": 9.0, "all-r4": 7.0, "patterned": 5.0, "mlp-rs16": 1.0}
-    started = h.adapters.ahead.prefetch(fleet)
+    started = h.adapters.ahead.prefetch(FleetView("worker", fleet, ("worker",)))
     assert started == ["qv-r8", "patterned"]  # the most popular it lacks, as many as there is room
     eventually(lambda: tier(h, "qv-r8") == "cpu" and tier(h, "patterned") == "cpu")
-    assert h.adapters.ahead.prefetch(fleet) == []  # full: a prefetch never evicts
+    # full, and mlp-rs16 is colder than everything held: nothing is displaced
+    assert h.adapters.ahead.prefetch(FleetView("worker", fleet, ("worker",))) == []
     assert h.pool.metrics.value("loraserve_worker_adapter_evictions_total", {"tier": "cpu"}) == 0
 
 
-def test_fleet_popularity_reaches_another_worker(harness):
-    shared = InProcessCoordinator()
-    busy = harness(coordinator=shared, worker_id="busy", prefetch=4)
-    idle = harness(coordinator=shared, worker_id="idle", max_cpu_loras=4, prefetch=4)
-    for _ in range(5):
-        busy.pool.popularity.record("patterned")
-    busy.pool.popularity.record("qv-r8")
-    busy.sync.share_popularity()  # publishes its counts (and prefetches what it lacks itself)
-    idle.sync.share_popularity()
-    eventually(lambda: tier(idle, "patterned") == "cpu" and tier(idle, "qv-r8") == "cpu")
-    assert shared.fleet_popularity() == pytest.approx({"patterned": 5.0, "qv-r8": 1.0}, rel=1e-3)
+def test_prefetch_displaces_colder_entries_never_needed_or_pinned_ones(harness):
+    h = harness(max_loras=2, max_cpu_loras=4, prefetch=8)
+    for ref in ("qv-r8", "all-r4", "patterned", "attn-l1-r2"):
+        h.run(h.ensure_cpu(ref))
+    h.pool.set_pin("patterned", h.pool.versions.resolve(AdapterRef("patterned")))  # pinned
+    h.acquire_eventually(1, "qv-r8")  # a running sequence uses it
+    with h.pool.lock:
+        h.pool.wanted = {"all-r4": 0}  # a queued request waits for it
+    cold = {"qv-r8": 0.05, "all-r4": 0.1, "patterned": 0.1, "attn-l1-r2": 0.2}
+    fleet = FleetView("worker", {**cold, "mlp-rs16": 5.0}, ("worker",))
+    assert h.adapters.ahead.prefetch(fleet) == ["mlp-rs16"]
+    eventually(lambda: tier(h, "mlp-rs16") == "cpu")
+    assert held(h) == {"qv-r8", "all-r4", "patterned", "mlp-rs16"}  # the one evictable entry left
+    assert h.adapters.ahead.num_displaced == 1
+    assert h.pool.metrics.value("loraserve_worker_adapter_evictions_total", {"tier": "cpu"}) == 1
+    # attn-l1-r2 is now wanted, but more popular than nothing evictable: mlp-rs16 (5) stays
+    again = FleetView("worker", {**cold, "mlp-rs16": 5.0, "attn-l1-r2": 4.0}, ("worker",))
+    assert h.adapters.ahead.prefetch(again) == []
+    with h.pool.lock:
+        h.pool.wanted = {}
+    h.pool.release(1)  # nothing needs qv-r8 any more: the coldest entry goes for a hotter one
+    assert h.adapters.ahead.prefetch(again) == ["attn-l1-r2"]
+    eventually(lambda: tier(h, "attn-l1-r2") == "cpu")
+    assert held(h) == {"attn-l1-r2", "all-r4", "patterned", "mlp-rs16"}
+
+
+@pytest.fixture(params=["in_process", pytest.param("redis", marks=pytest.mark.redis)])
+def shared_coordinator(request):
+    """One coordinator per worker, over shared state: the same object in-process, or two Redis
+    clients under one prefix (as two worker processes have)."""
+    if request.param == "in_process":
+        c = InProcessCoordinator()
+        yield lambda: c
+        return
+    from loraserve.inference_worker.coordination.redis_coordinator import RedisCoordinator
+
+    url, prefix = request.getfixturevalue("redis_url"), request.getfixturevalue("redis_prefix")
+    made: list[RedisCoordinator] = []
+    yield lambda: made.append(RedisCoordinator(url, prefix)) or made[-1]
+    for c in made:
+        c.close()
+
+
+def test_two_workers_prefetch_complementary_adapters(harness, shared_coordinator):
+    names = ["qv-r8", "all-r4", "mlp-rs16", "patterned", "attn-l1-r2"]
+    a, b = (
+        harness(coordinator=shared_coordinator(), worker_id=w, max_loras=1, max_cpu_loras=5, prefetch=8)
+        for w in ("w-a", "w-b")
+    )
+    for h in (a, b):
+        h.adapters.ahead.replicate_share = 0.5  # no adapter is hot here
+        h.sync.heartbeat()
+    for i, name in enumerate(names):  # the traffic so far went to a worker of an earlier fleet
+        for _ in range(i + 1):
+            a.pool.popularity.record(name)
+    for _round in range(2):
+        for h in (a, b):
+            h.sync.share_popularity()  # publish counts, read the fleet, prefetch
+        eventually(lambda: not a.pool.fetcher.flights and not b.pool.fetcher.flights)
+        for h in (a, b):
+            h.sync.flush_residency()
+    homes = {w: {n for n in names if home(n, ("w-a", "w-b")) == w} for w in ("w-a", "w-b")}
+    assert homes["w-a"] and homes["w-b"]  # both get some (the split depends only on the ids)
+    assert held(a) == homes["w-a"] and held(b) == homes["w-b"]  # different adapters, all held once
+    # a hot adapter is held by both, so the router can spread its traffic
+    for _ in range(40):
+        b.pool.popularity.record("mlp-rs16")
+    for h in (b, a):
+        h.adapters.ahead.replicate_share = 0.3
+        h.sync.share_popularity()
+    eventually(lambda: "mlp-rs16" in held(a) and "mlp-rs16" in held(b))

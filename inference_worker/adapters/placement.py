@@ -1,0 +1,100 @@
+"""Complementary placement of the fleet's popular adapters: which adapters a worker prefetches,
+and which colder CPU-tier entries they may replace.
+
+Every worker plans from the same inputs — the fleet's decayed request counts, which live worker
+holds which adapter, the live workers' placement keys (advertised addresses) — so the workers'
+plans agree without a claim or a lock:
+
+- a **hot** adapter (at least `replicate_share` of the fleet's counted requests) is wanted on
+  every worker, so the router can spread its traffic over several holders;
+- any other adapter that a live worker holds stays there: nobody else fetches it;
+- an adapter that **no live worker holds** is wanted by its home only, the live worker first in
+  rendezvous order (`clients.placement`), which is also where the router sends a request for it.
+  Two idle workers never fetch the same one in the same round, and what the fleet holds is the
+  union of different sets rather than the same top set twice.
+
+A worker takes its wanted adapters in popularity order (ties by id): into free CPU room first,
+then each in place of the least popular evictable CPU-tier entry, only while that entry is
+strictly less popular than the candidate; at most `max_moves` per round. Transient disagreement
+(a worker's heartbeat expiring, residency published a round late) costs at most a duplicate
+fetch: placement is soft state like the rest of the coordination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from loraserve.clients.placement import home
+from loraserve.inference_worker.coordination import Coordinator
+
+REPLICATE_SHARE = 0.02  # under Zipf 1.0 over 1,000 adapters: the top 6, a third of the requests
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What one coordination round read about the fleet, seen from worker `me`."""
+
+    me: str  # this worker's placement key
+    popularity: dict[str, float]  # adapter id -> the fleet's decayed request count
+    workers: tuple[str, ...]  # placement keys of the live workers, this one included
+    # adapter id -> placement keys of the other live workers that hold it
+    holders: dict[str, frozenset[str]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, coordinator: Coordinator, worker_id: str, key: str) -> FleetView:
+        """Popularity, live workers and their residency (coordinator round trips: sync thread)."""
+        popularity = coordinator.fleet_popularity()
+        keys = {hb.worker_id: hb.address or hb.worker_id for hb in coordinator.live_workers()}
+        keys[worker_id] = key
+        holders: dict[str, set[str]] = {}
+        for r in coordinator.residencies():
+            if r.worker_id != worker_id and r.worker_id in keys and r.tier in ("gpu", "cpu"):
+                holders.setdefault(r.adapter_id, set()).add(keys[r.worker_id])
+        return cls(
+            key, popularity, tuple(sorted(set(keys.values()))), {a: frozenset(h) for a, h in holders.items()}
+        )
+
+    def value(self, adapter_id: str) -> float:
+        return self.popularity.get(adapter_id, 0.0)
+
+
+@dataclass(frozen=True)
+class Move:
+    adapter_id: str  # to fetch into this worker's CPU tier
+    victim: str | None  # CPU-tier version key to evict for it; None when free room takes it
+
+
+def plan_moves(
+    view: FleetView,
+    *,
+    held: set[str],
+    room: int,
+    evictable: Iterable[tuple[str, str]],
+    max_moves: int,
+    replicate_share: float = REPLICATE_SHARE,
+) -> list[Move]:
+    """This worker's prefetches for one round.
+
+    held: adapter ids this worker holds in either tier or is fetching; room: CPU entries free
+    for prefetch; evictable: (version key, adapter id) of the CPU-tier entries a prefetch may
+    replace (the caller leaves out what queued or running requests need and pinned adapters)."""
+    total = sum(view.popularity.values())
+    victims = sorted(evictable, key=lambda e: (view.value(e[1]), e[0]))  # least popular first
+    moves: list[Move] = []
+    for aid, count in sorted(view.popularity.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(moves) >= max_moves or count <= 0:
+            break
+        if aid in held:
+            continue
+        hot = total > 0 and count >= replicate_share * total
+        if not hot and (view.holders.get(aid) or home(aid, view.workers) != view.me):
+            continue
+        if room > 0:
+            room -= 1
+            moves.append(Move(aid, None))
+            continue
+        if not victims or view.value(victims[0][1]) >= count:
+            break  # every later candidate is less popular still
+        moves.append(Move(aid, victims.pop(0)[0]))
+    return moves
