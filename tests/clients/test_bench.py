@@ -133,7 +133,9 @@ def test_run_against_a_worker_reports_counts_latencies_and_tier_activity(served,
     assert act["generated_tokens"] == s["total_output_tokens"]
 
 
-def test_run_through_the_router_spreads_over_both_workers(served, tmp_path: Path) -> None:
+def test_run_through_the_router_sends_adapters_to_their_homes(served, tmp_path: Path) -> None:
+    from loraserve.clients.placement import home
+
     _, workers, _ = served
     out = tmp_path / "router.json"
     rc = bench_main(
@@ -149,8 +151,11 @@ def test_run_through_the_router_spreads_over_both_workers(served, tmp_path: Path
     assert rc == 0
     s = json.loads(out.read_text())["summary"]
     assert s["completed"] == 30
-    # adapters have stable homes on different workers: both served some
-    assert set(s["requests_by_worker"]) == {w.address for w in workers}
+    # no worker is loaded past the router's imbalance bound at this concurrency: every adapter
+    # goes to its rendezvous home (which worker that is depends on the ports the workers got)
+    homes = {home(f"bench-{i}", [w.address for w in workers]) for i in range(NUM_ADAPTERS)}
+    assert s["requests_by_worker"] and set(s["requests_by_worker"]) <= homes
+    assert sum(s["requests_by_worker"].values()) == 30
     assert s["adapter_activity"]["generated_tokens"] == 60
 
 
