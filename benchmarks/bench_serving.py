@@ -337,6 +337,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--json", default=None)
     p.add_argument(
+        "--sweep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the N sweep (else prefetch only)",
+    )
+    p.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -369,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         with WorkerClient(worker.address, timeout=10) as c:
             bench.vocab = int(c.info().vocab_size)
-        bench.sweep(worker, names)
+        if args.sweep:
+            bench.sweep(worker, names)
         fleet.stop(worker)
         for name, flags in args.variant:
             opts = bench.worker_options()

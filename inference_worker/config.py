@@ -35,7 +35,7 @@ _HELP = {
     "kernel_warmup": "compile every kernel variant a step can launch before serving (CUDA; cached on "
     "disk by Triton, so a restart is quick)",
     "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "
-    "interpreter before the step thread gets it back",
+    "interpreter before the step thread gets it back (Python's own default is 5)",
     "tensor_parallel_size": "ranks (one process and GPU each) the model is sharded over; rank 0 serves "
     "and starts the others (1 = one process)",
     "max_loras": "GPU adapter slots",
@@ -80,7 +80,7 @@ class WorkerConfig:
     default_max_tokens: int = 16
     cuda_graphs: bool = True
     kernel_warmup: bool = True
-    switch_interval_ms: float = 5.0
+    switch_interval_ms: float = 0.5
     tensor_parallel_size: int = 1
     max_loras: int = 4
     max_cpu_loras: int = 16
