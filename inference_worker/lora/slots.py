@@ -192,6 +192,8 @@ class LoRASlots:
                 )
             else:
                 runs.append(CopyRun(group, which, layer, 1, shape, torch_dtype(t), t.offset, 0))
+        if self.device.type == "cuda":  # pinned: the slot's rank row is copied without a host sync
+            ranks = ranks.pin_memory()
         payload.copy_plan = [runs, ranks]
         return runs, ranks
 
@@ -254,7 +256,7 @@ class LoRASlots:
                 self.a_all[run.group][layers, slot, :, :r, :].copy_(src, non_blocking=True)
             else:
                 self.b_all[run.group][layers, slot, :, :r].copy_(src, non_blocking=True)
-        self.ranks[:, :, slot].copy_(ranks)
+        self.ranks[:, :, slot].copy_(ranks, non_blocking=True)
 
     def _copy_shard(self, run: CopyRun, src: torch.Tensor, layers: slice, slot: int) -> None:
         # src: a run's whole tensors, [layers, slices, r, in] (A) or [layers, out, r] (B)

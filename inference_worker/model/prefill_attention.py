@@ -83,7 +83,10 @@ def _attend_keys(  # type: ignore[no-untyped-def]
     return m, lsum, acc
 
 
-@triton.jit
+# Per-step metadata (block tables, context lengths, query starts) is sliced out of one packed buffer
+# at offsets that change from step to step, and the sequence count and block-table width follow the
+# batch: left unspecialized, so serving traffic compiles no new variant (kernel_warmup.py).
+@triton.jit(do_not_specialize=["num_seqs", "s_btb"], do_not_specialize_on_alignment=["BT", "CL", "QS"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     Q,
     K,
