@@ -154,8 +154,11 @@ def test_run_through_the_router_sends_adapters_to_their_homes(served, tmp_path: 
     # no worker is loaded past the router's imbalance bound at this concurrency: every adapter
     # goes to its rendezvous home (which worker that is depends on the ports the workers got)
     homes = {home(f"bench-{i}", [w.address for w in workers]) for i in range(NUM_ADAPTERS)}
-    assert s["requests_by_worker"] and set(s["requests_by_worker"]) <= homes
-    assert sum(s["requests_by_worker"].values()) == 30
+    by_worker = s.get("requests_by_worker")  # present when more than one worker served
+    if by_worker is not None:
+        assert set(by_worker) <= homes and sum(by_worker.values()) == 30
+    else:  # one worker served all 30: every adapter is homed there (30 uniform draws reach all 5)
+        assert len(homes) == 1
     assert s["adapter_activity"]["generated_tokens"] == 60
 
 
