@@ -26,13 +26,55 @@ class StoreMetrics:
             "loraserve_store_cache_hits", "fetches served from the CPU cache", registry=r
         )
         self.cache_misses = Counter(
-            "loraserve_store_cache_misses", "fetches that rebuilt from the source", registry=r
+            "loraserve_store_cache_misses",
+            "fetches not in the CPU cache (read from disk or rebuilt)",
+            registry=r,
         )
         self.cache_evictions = Counter(
             "loraserve_store_cache_evictions", "adapters evicted from the CPU cache", registry=r
         )
         self.cache_adapters = Gauge("loraserve_store_cache_adapters", "adapters in the CPU cache", registry=r)
         self.cache_bytes = Gauge("loraserve_store_cache_bytes", "bytes in the CPU cache", registry=r)
+        # Where a fetch's payload came from: memory (the CPU cache), disk (the disk tier) or source
+        # (fetched, validated and optimized again); the time until the payload is in memory.
+        self.fetch_open_seconds = Histogram(
+            "loraserve_store_fetch_open_seconds",
+            "time from FetchAdapter to its payload in memory, by where the payload came from",
+            ["origin"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
+        # the disk tier (disk_tier.py)
+        self.disk_hits = Counter(
+            "loraserve_store_disk_hits", "CPU cache misses served from the disk tier", registry=r
+        )
+        self.disk_misses = Counter(
+            "loraserve_store_disk_misses", "CPU cache misses the disk tier could not serve", registry=r
+        )
+        self.disk_corrupt = Counter(
+            "loraserve_store_disk_corrupt", "disk tier files found damaged and removed", registry=r
+        )
+        self.disk_errors = Counter(
+            "loraserve_store_disk_errors", "disk tier operations that failed", ["op"], registry=r
+        )
+        self.disk_evictions = Counter(
+            "loraserve_store_disk_evictions", "disk tier files evicted by the byte bound", registry=r
+        )
+        self.disk_orphans = Counter(
+            "loraserve_store_disk_orphans",
+            "disk tier files of unknown adapters removed at start-up",
+            registry=r,
+        )
+        self.disk_read_bytes = Counter(
+            "loraserve_store_disk_read_bytes", "payload bytes read from the disk tier", registry=r
+        )
+        self.disk_written_bytes = Counter(
+            "loraserve_store_disk_written_bytes", "payload bytes written to the disk tier", registry=r
+        )
+        self.disk_payloads = Gauge(
+            "loraserve_store_disk_payloads", "payload files in the disk tier", registry=r
+        )
+        self.disk_bytes = Gauge("loraserve_store_disk_bytes", "bytes of the disk tier's files", registry=r)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample, e.g. value("loraserve_store_builds_total", {"reason": "register"})."""

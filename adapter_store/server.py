@@ -67,6 +67,7 @@ class StoreServer:
 
     async def start(self) -> None:
         await self.server.start()
+        self.service.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
@@ -92,7 +93,7 @@ class StoreServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http = None
-        self.service.registry.close()
+        self.service.close()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -139,7 +140,8 @@ async def serve(config: StoreConfig) -> None:
     await store.start()
     line = (
         f"adapter store listening on {config.host}:{port} "
-        f"(registry: {'redis' if config.redis_url else 'sqlite'}, adapter root: {config.root})"
+        f"(registry: {'redis' if config.redis_url else 'sqlite'}, adapter root: {config.root}, "
+        f"disk tier: {config.payload_cache_dir or 'off'})"
     )
     log.info("%s", line)
     print(line, flush=True)  # the bound port, whatever the log level (--port 0 picks one)

@@ -1,5 +1,10 @@
 """The adapter store's logic, independent of gRPC: register, look up, list, delete and prepare
-fetches. Blocking work (sources, parsing, hashing, the registry) runs in worker threads."""
+fetches. Blocking work (sources, parsing, hashing, the registry, the disk tier) runs in worker
+threads.
+
+A fetch finds its payload in the CPU cache (memory), else in the disk tier (disk), else rebuilds it
+from the adapter's source (source); the tiers below memory are read once per adapter and digest
+however many fetches wait for it (single flight)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import time
 from loraserve.adapter_store.cache import AdapterCache
 from loraserve.adapter_store.checkpoint import read_checkpoint
 from loraserve.adapter_store.config import StoreConfig
+from loraserve.adapter_store.disk_tier import DiskTier
 from loraserve.adapter_store.errors import (
     AlreadyExists,
     DataLoss,
@@ -60,10 +66,23 @@ class AdapterService:
         self.metrics = metrics or StoreMetrics()
         self.cache = AdapterCache(config.cache_max_adapters, config.cache_max_bytes, on_evict=self._evicted)
         self.flight = SingleFlight()
+        tier_dir = config.payload_cache_dir
+        self.tier = DiskTier(tier_dir, config.cache_dir_max_bytes, self.metrics) if tier_dir else None
         base_name = config.expected_base_model_name(base_config) if config.check_base_model else None
         self.limits = Limits(max_lora_rank=config.max_lora_rank, base_model_name=base_name)
         self.draining = False
         self._pending_registrations = 0
+
+    def start(self) -> None:
+        """Background start-up work: the disk tier indexes what earlier runs left."""
+        if self.tier is not None:
+            self.tier.start(self.registry)
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes, then close the registry."""
+        if self.tier is not None:
+            self.tier.close()
+        self.registry.close()
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_serving(self) -> None:
@@ -135,6 +154,10 @@ class AdapterService:
         await asyncio.to_thread(self.registry.put, record, overwrite)
         self.cache.put(adapter_id, o, record)
         self._cache_gauges()
+        if self.tier is not None:
+            # on disk before the reply (a failing disk only logs), then older versions go
+            await self.tier.put(record, o)
+            self.tier.discard(adapter_id, keep_digest=o.digest)
         log.info(
             "registered adapter %s from %s (rank %d, %d bytes, digest %s)",
             adapter_id,
@@ -171,14 +194,18 @@ class AdapterService:
             raise NotFound(f"adapter {adapter_id!r} is not registered")
         self.cache.drop(adapter_id)
         self._cache_gauges()
+        if self.tier is not None:
+            self.tier.discard(adapter_id)
         log.info("deleted adapter %s", adapter_id)
         return record
 
     async def open_fetch(
         self, adapter_id: str, offset: int, digest: str
     ) -> tuple[AdapterRecord, OptimizedAdapter]:
-        """The record and optimized payload to stream from `offset`; rebuilt from source on a cache miss."""
+        """The record and optimized payload to stream from `offset`: from the CPU cache, else the disk
+        tier, else rebuilt from the source."""
         self._check_serving()
+        start = time.perf_counter()
         try:
             record = await self.get(adapter_id)
         except Unavailable:
@@ -196,21 +223,39 @@ class AdapterService:
                 f"adapter {adapter_id!r} has digest {record.digest}, not the requested "
                 f"{digest} (it was re-registered)"
             )
-        optimized = self.cache.get(adapter_id, record.digest, record)
-        cache = "hit" if optimized is not None else "miss"
+        cached = self.cache.get(adapter_id, record.digest, record)
+        cache = "hit" if cached is not None else "miss"
         note(cache=cache)
         tracing.annotate({"loraserve.store.cache": cache})
-        if optimized is not None:
+        if cached is not None:
             self.metrics.cache_hits.inc()
+            optimized, origin = cached, "memory"
         else:
             self.metrics.cache_misses.inc()
-            optimized = await self.flight.do(
-                ("build", adapter_id, record.digest), lambda: self._rebuild(record)
+            optimized, origin = await self.flight.do(
+                ("load", adapter_id, record.digest), lambda: self._load(record)
             )
+        note(origin=origin)
+        tracing.annotate({"loraserve.store.origin": origin})
+        self.metrics.fetch_open_seconds.labels(origin).observe(time.perf_counter() - start)
         if not 0 <= offset <= optimized.total_bytes:
             raise InvalidArgument(f"offset {offset} is outside the payload of {optimized.total_bytes} bytes")
         self.metrics.fetches.inc()
         return record, optimized
+
+    async def _load(self, record: AdapterRecord) -> tuple[OptimizedAdapter, str]:
+        """The payload of `record` from the disk tier, else rebuilt from its source; -> (payload, origin)."""
+        if self.tier is not None:
+            with tracing.span("store.disk_read", {"loraserve.adapter.id": record.adapter_id}):
+                optimized = await asyncio.to_thread(self.tier.get, record)
+            if optimized is not None:
+                self.cache.put(record.adapter_id, optimized, record)
+                self._cache_gauges()
+                return optimized, "disk"
+        optimized = await self._rebuild(record)
+        if self.tier is not None:
+            self.tier.put_soon(record, optimized)  # not awaited: the fetch streams meanwhile
+        return optimized, "source"
 
     async def _rebuild(self, record: AdapterRecord) -> OptimizedAdapter:
         with tracing.span("store.build", {"loraserve.adapter.id": record.adapter_id}):

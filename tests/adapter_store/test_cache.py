@@ -1,4 +1,5 @@
-"""The CPU cache (LRU by count and by bytes, rebuild on miss, digest re-check) and single flight."""
+"""The CPU cache (LRU by count and by bytes, rebuild on miss, digest re-check) and single flight.
+Tests of rebuilds turn the disk tier off (cache_dir=""); test_disk_tier.py covers the tier."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _value(store, name: str, labels: dict | None = None) -> float:
 
 
 def test_eviction_by_count_then_refetch(start_store) -> None:
-    store = start_store(cache_max_adapters=2)
+    store = start_store(cache_max_adapters=2, cache_dir="")
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
         infos = {n: register(stub, n, n) for n in ("peft-qv-r8", "peft-patterns", "peft-subset-layer1")}
@@ -36,7 +37,7 @@ def test_eviction_by_count_then_refetch(start_store) -> None:
 
 
 def test_eviction_by_bytes(start_store) -> None:
-    store = start_store(cache_max_bytes=12_000)  # one qv r8 adapter (10 KiB) fits, two do not
+    store = start_store(cache_max_bytes=12_000, cache_dir="")  # one qv r8 adapter (10 KiB) fits, two do not
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
         a = register(stub, "a", "peft-qv-r8")
@@ -55,7 +56,7 @@ def test_eviction_by_bytes(start_store) -> None:
 
 def test_changed_source_is_data_loss(start_store, adapter_root: Path) -> None:
     bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "mutable")
-    store = start_store(cache_max_adapters=1)
+    store = start_store(cache_max_adapters=1, cache_dir="")
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
         info = register(stub, "mutable", "mutable")
@@ -88,7 +89,7 @@ def test_single_flight_registration(start_store) -> None:
 
 
 def test_single_flight_fetch_after_eviction(start_store) -> None:
-    store = start_store()
+    store = start_store(cache_dir="")
     service = store.service
     digest = store.call(service.register("x", "peft-all-r16-rslora", False)).digest
     service.cache.drop("x")
@@ -109,7 +110,7 @@ def test_single_flight_fetch_after_eviction(start_store) -> None:
 
 
 def test_concurrent_grpc_fetches_share_one_rebuild(start_store) -> None:
-    store = start_store()
+    store = start_store(cache_dir="")
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
         info = register(stub, "x", "peft-all-r16-rslora")

@@ -35,6 +35,9 @@ def test_flags_beat_env_beat_defaults() -> None:
         ({"cache_max_adapters": 0}, "cache_max_adapters must be positive"),
         ({"port": 70000}, "port 70000"),
         ({"redis_prefix": "a b"}, "redis_prefix"),
+        ({"cache_dir_max_bytes": 0}, "cache_dir_max_bytes must be positive"),
+        ({"data_dir": "/d", "cache_dir": "/d/"}, "cache_dir /d must be a directory of its own"),
+        ({"adapter_root": "/a", "cache_dir": "/a"}, "not the data dir or adapter root"),
     ],
 )
 def test_invariants(changes: dict, problem: str) -> None:
@@ -52,3 +55,18 @@ def test_bad_flag_values_exit(capsys) -> None:
     with pytest.raises(SystemExit):
         StoreConfig.from_args([], {"LORASERVE_BASE_MODEL": "/m", "LORASERVE_MAX_LORA_RANK": "sixteen"})
     assert "LORASERVE_MAX_LORA_RANK='sixteen' is not a valid int" in capsys.readouterr().err
+
+
+def test_disk_tier_settings() -> None:
+    base = {"LORASERVE_BASE_MODEL": "/m", "LORASERVE_DATA_DIR": "/var/lib/loraserve"}
+    cfg = StoreConfig.from_args([], base)
+    assert (
+        str(cfg.payload_cache_dir) == "/var/lib/loraserve/payload-cache"
+        and cfg.cache_dir_max_bytes == 16 << 30
+    )
+    cfg = StoreConfig.from_args(
+        ["--cache-dir-max-bytes", "1000"], {**base, "LORASERVE_CACHE_DIR": "/var/cache/loraserve"}
+    )
+    assert str(cfg.payload_cache_dir) == "/var/cache/loraserve" and cfg.cache_dir_max_bytes == 1000
+    assert StoreConfig.from_args([], {**base, "LORASERVE_CACHE_DIR": ""}).payload_cache_dir is None
+    assert StoreConfig.from_args(["--cache-dir", ""], base).payload_cache_dir is None

@@ -17,7 +17,10 @@ C = grpc.StatusCode
 
 @pytest.fixture
 def s3_stub(start_store, s3_endpoint: str, s3_bucket: str):
-    store = start_store(s3_endpoint_url=s3_endpoint, s3_region="us-east-1", cache_max_adapters=1)
+    # no disk tier: a CPU cache miss rebuilds from S3 (test_disk_tier.py serves S3 adapters from disk)
+    store = start_store(
+        s3_endpoint_url=s3_endpoint, s3_region="us-east-1", cache_max_adapters=1, cache_dir=""
+    )
     with grpc.insecure_channel(store.address) as ch:
         yield store_pb2_grpc.AdapterStoreStub(ch)
 

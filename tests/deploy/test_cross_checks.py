@@ -253,6 +253,26 @@ def test_volumes_and_claims_resolve(rendered: list[dict]) -> None:
         )
 
 
+def test_store_state_is_on_writable_claims(rendered: list[dict]) -> None:
+    """The root filesystem is read-only: the data dir and the disk tier must be mounted claims, each
+    its own, and the tier's byte bound must fit its claim."""
+    store = _config(rendered, "store")
+    workload, container = _component(rendered, "store")
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    claims = _of_kind(rendered, "PersistentVolumeClaim")
+    tier = store.payload_cache_dir
+    assert tier is not None
+    claim_of = {}
+    for path in (store.data_dir, str(tier)):
+        mount = mounts[path]
+        assert not mount.get("readOnly"), path
+        claim_of[path] = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
+    assert claim_of[store.data_dir] != claim_of[str(tier)]
+    size = claims[claim_of[str(tier)]]["spec"]["resources"]["requests"]["storage"]
+    assert size.endswith("Gi") and store.cache_dir_max_bytes < int(size[:-2]) << 30
+
+
 def test_images_are_this_release(rendered: list[dict]) -> None:
     version = importlib.metadata.version("loraserve")
     expected = {"store": "loraserve-cpu", "worker": "loraserve-gpu", "gateway": "loraserve-cpu"}

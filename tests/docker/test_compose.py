@@ -124,6 +124,23 @@ def test_store_and_worker_commands_parse(compose: dict) -> None:
     assert ids == set(WORKERS)
 
 
+def test_store_state_is_on_volumes(compose: dict) -> None:
+    """The data dir and the disk tier outlive the container, each on a writable volume of its own
+    (the tier is a cache that can be dropped without the data)."""
+    store = compose["services"]["store"]
+    cfg = StoreConfig.from_args(store["command"][1:], env=_env(store))
+    mounts = {}
+    for spec in store["volumes"]:
+        volume, path, *mode = spec.split(":")
+        mounts[path] = (volume, mode)
+    tier = cfg.payload_cache_dir
+    assert tier is not None
+    for path in (cfg.data_dir, str(tier)):
+        volume, mode = mounts[path]
+        assert volume in compose["volumes"] and mode != ["ro"], path
+    assert mounts[cfg.data_dir][0] != mounts[str(tier)][0]
+
+
 def _loraserve_command(service: dict) -> tuple[str, list[str]] | None:
     """(subcommand, its arguments) of a service that runs the `loraserve` entry point, directly or
     in a shell line; None for anything else (redis, s3, the seed script)."""

@@ -1,0 +1,174 @@
+"""One optimized payload as a file of the store's disk tier: its manifest and its bytes, written
+atomically and read back with every byte checked.
+
+File layout (all integers little-endian):
+
+    magic      8 bytes   b"LSPAYLD1"
+    header_len 8 bytes   length of the JSON header
+    header_sha 32 bytes  sha256 of the JSON header
+    header     JSON      adapter_id, digest, rank, dtype, layout_version, total_bytes, tensors
+                         ([name, shape, dtype, offset, nbytes] each)
+    padding    zeros up to a multiple of 64 bytes
+    payload    total_bytes, whose sha256 is `digest`
+
+The header's own sha256 catches a damaged manifest; the digest catches a damaged payload, and is
+computed while the bytes are read, so a file is never trusted before it has been checked in full.
+The name is `{adapter_id}@{digest}.payload` (`@` is outside the adapter id alphabet), so a file of
+another version of an adapter can never be mistaken for the current one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from loraserve.adapter_store.optimize import OptimizedAdapter
+from loraserve.contract.adapter_layout import ALIGN, align
+from loraserve.contract.payload import TORCH_DTYPES, PayloadTensor
+
+MAGIC = b"LSPAYLD1"
+SUFFIX = ".payload"
+TEMP_PREFIX = ".tmp-"  # a write in progress (or one a crash left behind)
+_PREAMBLE = struct.Struct("<8sQ32s")  # magic, header length, header sha256
+MAX_HEADER_BYTES = 16 << 20
+READ_STEP = 4 << 20  # bytes per read (and per hash update)
+NAME_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})@([0-9a-f]{64})" + re.escape(SUFFIX))
+
+
+class CorruptPayload(Exception):
+    """A payload file that does not hold what its name and header promise."""
+
+
+@dataclass(frozen=True)
+class PayloadKey:
+    adapter_id: str
+    digest: str
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.adapter_id}@{self.digest}{SUFFIX}"
+
+    @classmethod
+    def from_file_name(cls, name: str) -> PayloadKey | None:
+        """The key a file of the tier is named for; None for any other name."""
+        m = NAME_RE.fullmatch(name)
+        return cls(m.group(1), m.group(2)) if m else None
+
+
+def _header(key: PayloadKey, adapter: OptimizedAdapter) -> bytes:
+    return json.dumps(
+        {
+            "adapter_id": key.adapter_id,
+            "digest": adapter.digest,
+            "rank": adapter.rank,
+            "dtype": adapter.dtype,
+            "layout_version": adapter.layout_version,
+            "total_bytes": adapter.total_bytes,
+            "tensors": [[t.name, list(t.shape), t.dtype, t.offset, t.nbytes] for t in adapter.tensors],
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def write_payload(directory: Path, key: PayloadKey, adapter: OptimizedAdapter) -> int:
+    """Write the file of `adapter` under `directory` (temp file, fsync, rename, fsync of the
+    directory); -> its size in bytes. Raises OSError; a failed write leaves no file behind."""
+    header = _header(key, adapter)
+    start = align(_PREAMBLE.size + len(header))
+    preamble = _PREAMBLE.pack(MAGIC, len(header), hashlib.sha256(header).digest())
+    temp = directory / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+    try:
+        with open(temp, "wb") as f:
+            f.write(preamble + header + bytes(start - _PREAMBLE.size - len(header)))
+            f.write(memoryview(adapter.payload.numpy()))  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, directory / key.file_name)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    sync_directory(directory)
+    return start + adapter.total_bytes
+
+
+def sync_directory(directory: Path) -> None:
+    """Make renames and unlinks in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CorruptPayload(f"truncated: {what} is {len(data)} of {n} bytes")
+    return data
+
+
+def _tensors(header: dict, total: int) -> list[PayloadTensor]:
+    tensors = []
+    for name, shape, dtype, offset, nbytes in header["tensors"]:
+        if dtype not in TORCH_DTYPES or offset % ALIGN or not 0 <= offset <= offset + nbytes <= total:
+            raise CorruptPayload(f"tensor {name} ({dtype}, {nbytes} bytes at {offset}) is out of place")
+        tensors.append(
+            PayloadTensor(str(name), tuple(int(s) for s in shape), dtype, int(offset), int(nbytes))
+        )
+    return tensors
+
+
+def read_payload(path: Path, key: PayloadKey, expected_bytes: int) -> OptimizedAdapter:
+    """The payload that the file at `path` holds for `key` (key.digest is the registry's), checked:
+    header sha256, header fields against the key and `expected_bytes`, the file's exact length and
+    the payload's sha256. CorruptPayload when any check fails, OSError when the file cannot be read."""
+    with open(path, "rb", buffering=0) as f:
+        magic, header_len, header_sha = _PREAMBLE.unpack(_read_exact(f, _PREAMBLE.size, "the preamble"))
+        if magic != MAGIC or header_len > MAX_HEADER_BYTES:
+            raise CorruptPayload(f"not a payload file (magic {magic!r}, header of {header_len} bytes)")
+        raw = _read_exact(f, header_len, "the header")
+        if hashlib.sha256(raw).digest() != header_sha:
+            raise CorruptPayload("the header does not match its sha256")
+        try:
+            header = json.loads(raw)
+            total = int(header["total_bytes"])
+            named = (header["adapter_id"], header["digest"])
+            tensors = _tensors(header, total)
+            rank, dtype, layout_version = (
+                int(header["rank"]),
+                str(header["dtype"]),
+                int(header["layout_version"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:  # a header this module did not write
+            raise CorruptPayload(f"malformed header: {exc!r}") from None
+        if named != (key.adapter_id, key.digest) or total != expected_bytes:
+            raise CorruptPayload(
+                f"the header names {named[0]}@{named[1]} of {total} bytes, "
+                f"not {key.adapter_id}@{key.digest} of {expected_bytes} bytes"
+            )
+        start = align(_PREAMBLE.size + header_len)
+        if os.fstat(f.fileno()).st_size != start + total:
+            raise CorruptPayload(f"the file is {os.fstat(f.fileno()).st_size} bytes, not {start + total}")
+        f.seek(start)
+        payload = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        view = memoryview(payload.numpy())  # type: ignore[arg-type]
+        sha = hashlib.sha256()
+        done = 0
+        while done < total:
+            n = f.readinto(view[done : min(done + READ_STEP, total)])
+            if not n:
+                raise CorruptPayload(f"truncated: the payload is {done} of {total} bytes")
+            sha.update(view[done : done + n])
+            done += n
+    if sha.hexdigest() != key.digest:
+        raise CorruptPayload(f"the payload's sha256 is {sha.hexdigest()}, not {key.digest}")
+    return OptimizedAdapter(tensors, payload, key.digest, rank, dtype, layout_version)
