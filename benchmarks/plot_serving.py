@@ -30,11 +30,20 @@ def main(argv: list[str]) -> int:
     fig, (ax1, ax3) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.plot(ns, [r["saturation"]["request_throughput"] for _, r in rows], "o-", color="tab:blue")
     for k, other in enumerate(argv[2:]):
-        more = json.loads(Path(other).read_text())["n"]
+        other_run = json.loads(Path(other).read_text())
+        more = other_run["n"]
         order = ", ".join(f"N={n}" for n in more)
         xs = [int(n) for n in more]
         ys = [r["saturation"]["request_throughput"] for r in more.values()]
-        ax1.plot(xs, ys, "o", mfc="none", ms=9, color="tab:blue", label=f"run {k + 2} (order {order})")
+        ax1.plot(
+            xs,
+            ys,
+            "o",
+            mfc="none",
+            ms=9,
+            color="tab:blue",
+            label=f"{other_run.get('date') or f'run {k + 2}'} (order {order})",
+        )
     if argv[2:]:
         ax1.legend(loc="lower right")
     ax1.set_xscale("log")
