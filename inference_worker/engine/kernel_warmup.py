@@ -127,9 +127,15 @@ def warm_up_steps(runner: ModelRunner, max_tokens: int, max_seqs: int) -> int:
 
 
 def warm_up(runner: ModelRunner, max_tokens: int, max_seqs: int) -> None:
-    """Both passes, then wait for the device; logs what it did and how long it took."""
+    """Both passes, then wait for the device; logs what it did and how long it took. Short of
+    device memory for the LoRA pass's dummy rows (its largest is max_tokens x the widest module
+    group), it warns and goes on: the kernels then compile when traffic first needs them."""
     t0 = time.perf_counter()
-    launches = warm_up_lora_path(runner, max_tokens)
+    try:
+        launches = warm_up_lora_path(runner, max_tokens)
+    except torch.cuda.OutOfMemoryError as exc:
+        log.warning("kernel warm-up of the LoRA path skipped (device memory): %s", exc)
+        launches = 0
     steps = warm_up_steps(runner, max_tokens, max_seqs)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -120,3 +120,26 @@ def test_no_compile_after_warm_up_for_new_step_shapes(tiny_model_dir, tmp_path):
         engine.runner.execute(sched)
     torch.cuda.synchronize()
     assert _compiled_variants() == compiled, "a step compiled a kernel the warm-up did not"
+
+
+def test_short_of_device_memory_the_lora_pass_is_skipped_not_fatal(
+    tiny_model_dir, lora_store, monkeypatch, caplog
+):
+    w = LocalWorker(tiny_model_dir, lora_store.address, max_loras=2, max_cpu_loras=6, max_num_seqs=4)
+    try:
+
+        def no_memory(runner, max_tokens):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+        monkeypatch.setattr(kernel_warmup, "warm_up_lora_path", no_memory)
+        steps: list[int] = []
+        real_steps = kernel_warmup.warm_up_steps
+        monkeypatch.setattr(
+            kernel_warmup, "warm_up_steps", lambda *a: steps.append(real_steps(*a)) or steps[-1]
+        )
+        with caplog.at_level("WARNING"):
+            kernel_warmup.warm_up(w.engine.runner, 16, w.engine.config.max_num_seqs)
+        assert "LoRA path skipped" in caplog.text and steps and steps[0] > 0
+        assert w.generate(PROMPT, "qv-r8", max_tokens=3)[1] is None  # still serves
+    finally:
+        w.close()
