@@ -39,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.bench_lora_worker import PROMPT_LEN, RANK, decode_run, distinct_ids, make_payload
+from benchmarks.bench_lora_worker import SHAPES as WORKER_SHAPES
 from loraserve.inference_worker.builder import build_adapters, build_leader, engine_config_for
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import LLMEngine
@@ -53,35 +54,18 @@ from loraserve.inference_worker.parallel.leader import LeaderRunner
 from loraserve.inference_worker.parallel.step_channel import Kind, StepChannel
 from tests.helpers.adapter_sources import AdaptersRunning, PayloadSource
 
+# the worker benchmark's 8B and smoke-test shapes, plus 70B-shaped layers
 SHAPES: dict[str, dict[str, Any]] = {
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-    ),
+    "8b": WORKER_SHAPES["8b"],
     # num_hidden_layers 0: as many as fit one GPU at TP=1 (--layers-70b overrides)
     "70b": dict(
+        WORKER_SHAPES["8b"],
         hidden_size=8192,
         intermediate_size=28672,
         num_hidden_layers=0,
         num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
     ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=512,
-    ),
+    "tiny": WORKER_SHAPES["tiny"],
 }
 MEMORY_SHARE = 0.6  # of a GPU's free memory for the 70B-shaped layers at TP=1 (weights and slots)
 
