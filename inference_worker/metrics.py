@@ -49,6 +49,28 @@ class WorkerMetrics:
         Gauge("loraserve_worker_kv_free_blocks", "Free KV cache blocks", registry=r).set_function(
             lambda: engine.num_free_blocks
         )
+        # each engine step that ran the model: its wall time (scheduling to sampled tokens), and the
+        # sequences and tokens it carried (how full the running batch was kept)
+        self.step_seconds = Histogram(
+            "loraserve_worker_step_seconds",
+            "Wall time of an engine step, by kind (prefill: a prefill chunk in the step)",
+            ["kind"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+            registry=r,
+        )
+        self.step_sequences = Histogram(
+            "loraserve_worker_step_sequences",
+            "Sequences in an engine step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "loraserve_worker_step_tokens",
+            "Tokens in an engine step",
+            buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
+            registry=r,
+        )
+        self._step_kinds = {k: self.step_seconds.labels(k) for k in ("prefill", "decode")}
         self._server: Any = None  # prometheus_client's WSGIServer once serving
 
     def count_request(self, method: str, code: str, adapter_id: str = "") -> None:
@@ -64,6 +86,11 @@ class WorkerMetrics:
         if usage.completion_tokens:
             self.ttft.observe(usage.time_to_first_token_ms / 1e3)
         self.queue_time.observe(usage.queue_time_ms / 1e3)
+
+    def observe_step(self, kind: str, seconds: float, sequences: int, tokens: int) -> None:
+        self._step_kinds[kind].observe(seconds)
+        self.step_sequences.observe(sequences)
+        self.step_tokens.observe(tokens)
 
     def serve(self, host: str, port: int) -> int:
         from prometheus_client import start_http_server

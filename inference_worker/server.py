@@ -80,6 +80,7 @@ class WorkerServer:
         worker = build_worker(self.config)
         self.engine, self.adapters = worker.engine, worker.adapters
         self.metrics = WorkerMetrics(self.engine, self.config.metrics_top_adapters)
+        self.engine.step_observer = self.metrics.observe_step
         if self.adapters is not None:
             self.adapters.register_metrics(self.metrics.registry, self.metrics.per_adapter)
         self.servicer = InferenceWorkerServicer(self.engine, self.config, self.metrics, self.adapters)

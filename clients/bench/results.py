@@ -184,4 +184,6 @@ def format_summary(summary: dict[str, object]) -> str:
         lk = act["lookups"]
         if lk:
             lines.append("admission lookups: " + ", ".join(f"{k} {v}" for k, v in lk.items()))
+        if act.get("steps"):
+            lines.append(f"engine steps: {act['steps']}, {act['mean_sequences_per_step']} sequences per step")
     return "\n".join(lines)

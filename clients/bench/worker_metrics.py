@@ -15,6 +15,7 @@ LOADS = "loraserve_worker_adapter_loads_total"
 EVICTIONS = "loraserve_worker_adapter_evictions_total"
 LOOKUPS = "loraserve_worker_adapter_lookups_total"
 GENERATED = "loraserve_worker_generated_tokens_total"
+STEP_SEQUENCES = "loraserve_worker_step_sequences"  # histogram: _count, _sum
 
 
 def metrics_url(url: str) -> str:
@@ -58,6 +59,8 @@ class AdapterActivity:
     evictions: dict[str, int]  # by tier
     lookups: dict[str, int]  # admission lookups by where the adapter was: gpu, cpu, miss
     generated_tokens: int
+    steps: int = 0  # engine steps that ran the model, summed over the workers
+    step_sequences: int = 0  # sequences over those steps (their mean is how full batches were)
 
     @property
     def store_fetches(self) -> int:
@@ -71,6 +74,8 @@ class AdapterActivity:
             "store_fetches": self.store_fetches,
             "lookups": self.lookups,
             "generated_tokens": self.generated_tokens,
+            "steps": self.steps,
+            "mean_sequences_per_step": round(self.step_sequences / self.steps, 2) if self.steps else None,
         }
 
 
@@ -107,11 +112,16 @@ def activity(
     failed = [
         {t: n - o.get(t, 0) for t, n in e.items() if n > o.get(t, 0)} for e, o in zip(every, ok, strict=True)
     ]
-    generated = sum(round(a.get((GENERATED, ()), 0.0) - b.get((GENERATED, ()), 0.0)) for b, a in pairs)
+
+    def delta(name: str) -> int:
+        return sum(round(a.get((name, ()), 0.0) - b.get((name, ()), 0.0)) for b, a in pairs)
+
     return AdapterActivity(
         loads=_sum(ok),
         failed_loads=_sum(failed),
         evictions=_sum([_by_label(b, a, EVICTIONS, "tier") for b, a in pairs]),
         lookups=_sum([_by_label(b, a, LOOKUPS, "result") for b, a in pairs]),
-        generated_tokens=generated,
+        generated_tokens=delta(GENERATED),
+        steps=delta(STEP_SEQUENCES + "_count"),
+        step_sequences=delta(STEP_SEQUENCES + "_sum"),
     )

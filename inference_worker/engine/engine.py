@@ -91,6 +91,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prefill_tokens = 0  # tokens run through prefill (an n > 1 prompt counts once)
         self.outputs = OutputQueue()
+        # called after every step that ran the model (the worker's metrics): step_observer(kind,
+        # seconds, sequences, tokens) with kind "prefill" (a prefill chunk in the step) or "decode"
+        self.step_observer: Callable[[str, float, int, int], None] | None = None
         self._text_pending: list[Sequence] = []  # sampled last step, text not yet processed
 
     # --------------------------------------------------------------------- any thread
@@ -232,6 +235,7 @@ class LLMEngine:
             self.outputs.flush()
 
     def _step(self) -> bool:
+        t0 = time.perf_counter()
         self._drain_inbox()
         sched = self.scheduler.schedule()
         for seq in sched.failed:
@@ -254,6 +258,12 @@ class LLMEngine:
             if seq.finish_reason is None:  # not ended by a stop string found just above
                 self._append(seq, tok, now, lp)
         self.num_steps += 1
+        if self.step_observer is not None:
+            tokens = sum(n for _, n in sched.prefills) + len(sched.decodes)
+            kind = "prefill" if sched.prefills else "decode"
+            self.step_observer(
+                kind, time.perf_counter() - t0, len(sched.prefills) + len(sched.decodes), tokens
+            )
         return True
 
     def _append(self, seq: Sequence, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:

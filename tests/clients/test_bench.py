@@ -131,6 +131,10 @@ def test_run_against_a_worker_reports_counts_latencies_and_tier_activity(served,
     assert act["loads"]["gpu"] >= 1
     assert sum(act["lookups"].values()) >= n - s["base_requests"]
     assert act["generated_tokens"] == s["total_output_tokens"]
+    # every token came out of an engine step: at least as many steps as the longest output, and
+    # each step carried between 1 and max_num_seqs sequences
+    assert act["steps"] >= max(r.max_tokens for r in expected)
+    assert 1 <= act["mean_sequences_per_step"] <= 64
 
 
 def test_run_through_the_router_sends_adapters_to_their_homes(served, tmp_path: Path) -> None:

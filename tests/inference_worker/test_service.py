@@ -259,6 +259,10 @@ def test_tokens_and_metrics(start_worker, capsys) -> None:
     assert 'loraserve_worker_requests_total{code="OK",method="Generate"} 1.0' in body
     assert "loraserve_worker_generated_tokens_total 3.0" in body
     assert "loraserve_worker_queue_depth" in body and "loraserve_worker_time_to_first_token_seconds" in body
+    # one generation of 3 tokens: a prefill step, then 2 decode steps, each with one sequence
+    assert 'loraserve_worker_step_seconds_count{kind="prefill"} 1.0' in body
+    assert 'loraserve_worker_step_seconds_count{kind="decode"} 2.0' in body
+    assert "loraserve_worker_step_sequences_sum 3.0" in body
     # the CLI streams to the terminal
     assert generate_main(["--worker", bg.address, "--token", "gen-secret", "--max-tokens", "5", "Hello"]) == 0
     assert capsys.readouterr().out.strip()
