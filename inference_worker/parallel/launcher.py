@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ def start_leader(config: WorkerConfig, device: torch.device) -> tuple[TensorPara
     followers = FollowerProcesses.spawn(config, store.port)
     try:
         followers.wait_joined(store)
-        tp = TensorParallelGroup.initialize(0, size, device, store)
+        tp = TensorParallelGroup.initialize(0, size, device, store, _step_timeout(config))
     except BaseException:
         followers.kill()
         raise
@@ -118,8 +119,13 @@ def start_leader(config: WorkerConfig, device: torch.device) -> tuple[TensorPara
     return tp, followers
 
 
-def join_as_follower(rank: int, size: int, device: torch.device) -> TensorParallelGroup:
+def join_as_follower(config: WorkerConfig, rank: int, device: torch.device) -> TensorParallelGroup:
     """Rank r > 0: reach rank 0's store from MASTER_ADDR / MASTER_PORT and join the group."""
+    size = config.tensor_parallel_size
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False)
     store.set(JOINED.format(rank), "1")
-    return TensorParallelGroup.initialize(rank, size, device, store)
+    return TensorParallelGroup.initialize(rank, size, device, store, _step_timeout(config))
+
+
+def _step_timeout(config: WorkerConfig) -> timedelta:
+    return timedelta(seconds=config.tensor_parallel_timeout_s)

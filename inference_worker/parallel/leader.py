@@ -67,7 +67,7 @@ class LeaderRunner(ModelRunner):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.tp, self.followers, self.slots = tp, followers, slots
-        self.channel = StepChannel(tp.cpu_group)
+        self.channel = StepChannel(tp.cpu_group, tp.step_timeout)
         self._closed = False
 
     def run(self, plan: StepPlan) -> torch.Tensor:
