@@ -45,6 +45,7 @@ log = logging.getLogger("loraserve.worker")
 class Worker:
     engine: LLMEngine
     adapters: WorkerAdapters | None  # None: base model only (no adapter store configured)
+    followers: FollowerProcesses | None = None  # the other tensor-parallel ranks (None: one process)
 
 
 def build_worker(config: WorkerConfig, *, source: AdapterSource | None = None) -> Worker:
@@ -112,7 +113,7 @@ def build_leader(
     assert slots is None or isinstance(slots, MirroredSlots)
     runner_type = partial(LeaderRunner, tp, followers, slots)
     engine = LLMEngine(model, tokenizer, engine_config, adapters, chat=chat, runner_type=runner_type)
-    return Worker(engine, adapters)
+    return Worker(engine, adapters, followers)
 
 
 def resolve_device(config: WorkerConfig, rank: int = 0) -> tuple[torch.device, torch.dtype]:

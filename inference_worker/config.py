@@ -38,6 +38,8 @@ _HELP = {
     "interpreter before the step thread gets it back (Python's own default is 5)",
     "tensor_parallel_size": "ranks (one process and GPU each) the model is sharded over; rank 0 serves "
     "and starts the others (1 = one process)",
+    "tensor_parallel_timeout_s": "seconds a rank waits for another inside a step before the worker "
+    "gives up and exits (a rank that dies is noticed at once; this bounds a rank that hangs)",
     "max_loras": "GPU adapter slots",
     "max_cpu_loras": "adapters kept in the CPU cache",
     "max_lora_rank": "largest adapter rank accepted",
@@ -82,6 +84,7 @@ class WorkerConfig:
     kernel_warmup: bool = True
     switch_interval_ms: float = 0.5
     tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 300.0
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
@@ -161,6 +164,8 @@ class WorkerConfig:
             problems.append("metrics_top_adapters must be in [1, 1000]")
         if self.adapter_poll_interval_s <= 0:
             problems.append("adapter_poll_interval_s must be > 0")
+        if self.tensor_parallel_timeout_s <= 0:
+            problems.append("tensor_parallel_timeout_s must be > 0")
         if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
             problems.append(
                 "with tensor_parallel_size > 1 the device is cpu, cuda or auto (rank r uses cuda:r)"

@@ -61,3 +61,10 @@ class DependencyUnavailable(WorkerError):
 
 class DeadlineExceeded(WorkerError):
     code = "DEADLINE_EXCEEDED"
+
+
+class RankFailed(WorkerError):
+    """A tensor-parallel rank died, or a collective with the other ranks failed or timed out: the
+    worker can no longer compute anything, so every request ends with this and the worker exits."""
+
+    code = "UNAVAILABLE"

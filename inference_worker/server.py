@@ -3,6 +3,11 @@
 Drain (SIGTERM): health goes NOT_SERVING, new generations get UNAVAILABLE, running ones get
 `grace_period_s` to finish, then the server stops and the engine thread ends.
 
+Failure (a tensor-parallel rank died, or a collective with the ranks failed or timed out): the
+worker can no longer compute, so every generation, running or queued, ends at once with UNAVAILABLE
+naming the cause, health goes NOT_SERVING, the server stops and the process exits with status 1,
+for the orchestrator to restart it.
+
 The server binds its port, then builds the worker's parts once through `builder.build_worker`
 (model -> adapters -> engine) with the bound port in its configuration (the worker id and the
 address it advertises derive from it).
@@ -11,6 +16,7 @@ address it advertises derive from it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -23,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from loraserve.inference_worker.builder import build_worker
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import LLMEngine
+from loraserve.inference_worker.errors import WorkerError
 from loraserve.inference_worker.metrics import WorkerMetrics
 from loraserve.inference_worker.model.config import ModelConfigError
 from loraserve.inference_worker.service import InferenceWorkerServicer, dispatch_on
@@ -39,6 +46,7 @@ SERVICE_NAME = "loraserve.v1.InferenceWorker"
 # the RPCs that need the generate token, and the admin token, when one is configured
 GENERATE_METHODS = ("Generate", "GenerateStream")
 ADMIN_METHODS = ("LoadAdapter", "UnloadAdapter", "PinAdapter")
+FAILED_GRACE_S = 5.0  # after a failure, for the failed calls' statuses to reach their clients
 
 
 class WorkerServer:
@@ -78,7 +86,11 @@ class WorkerServer:
         # the bound port (port 0 picks one): the worker id and the advertised address derive from it
         self.config = config.replace(port=self.port) if config.port == 0 else config
         worker = build_worker(self.config)
-        self.engine, self.adapters = worker.engine, worker.adapters
+        self.engine, self.adapters, self.followers = worker.engine, worker.adapters, worker.followers
+        self.failure: WorkerError | None = None  # why the worker stopped serving on its own
+        self.stopped = asyncio.Event()
+        self._stopping = False
+        self._stopping_failed: asyncio.Future[None] | None = None
         self.metrics = WorkerMetrics(self.engine, self.config.metrics_top_adapters)
         self.engine.step_observer = self.metrics.observe_step
         if self.adapters is not None:
@@ -92,6 +104,13 @@ class WorkerServer:
         if self.adapters is not None:
             self.adapters.start(loop, on_fetched=self.engine.wake)
         self.engine.output_dispatcher = dispatch_on(loop)
+        if self.followers is not None:
+
+            def on_failure(failure: WorkerError) -> None:  # on a watcher thread
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
+                    loop.call_soon_threadsafe(self.fail, failure)
+
+            self.followers.on_failure(on_failure)
         self.engine.start()
         await self.grpc_server.start()
         if self.config.metrics_port is not None:
@@ -111,12 +130,34 @@ class WorkerServer:
             await asyncio.sleep(0.02)
         await self.stop(max(0.0, end - time.monotonic()))
 
+    def fail(self, failure: WorkerError) -> None:
+        """The worker can no longer compute: end every generation with `failure` at once, go
+        NOT_SERVING and stop (`stopped` is then set and `failure` says why). On the event loop."""
+        if self.failure is not None:
+            return
+        self.failure = failure
+        self.servicer.draining = True
+        ended = self.servicer.fail(failure)
+        log.error("%s; the worker cannot compute: %d requests failed, stopping", failure, ended)
+        self._stopping_failed = asyncio.ensure_future(self._stop_failed())
+
+    async def _stop_failed(self) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.stop(FAILED_GRACE_S)  # the calls in flight have all been ended
+
     async def stop(self, grace: float | None = 0.0) -> None:
+        """Stop the server and the engine (once; a second call waits for the first)."""
+        if self._stopping:
+            await self.stopped.wait()
+            return
+        self._stopping = True
         await self.grpc_server.stop(grace)
         await asyncio.to_thread(self.engine.shutdown)
         if self.adapters is not None:
             await self.adapters.close()
         self.metrics.close()
+        self.stopped.set()
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
@@ -156,21 +197,21 @@ class BackgroundWorker(BackgroundServer["WorkerServer"]):
             self._shutdown(self.server.stop(grace), join_s=30)
 
 
-async def serve(config: WorkerConfig) -> None:
+async def serve(config: WorkerConfig) -> int:
+    """Serve until drained (SIGTERM, SIGINT: -> 0) or failed (-> 1)."""
     server, port = await start_worker(config)
     # the bound port, whatever the log level (--port 0 picks one)
     print(f"worker {server.config.resolved_worker_id} listening on {config.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()
-    drained = asyncio.Event()
 
     async def on_signal() -> None:
         log.info("draining (grace %.1fs)", config.grace_period_s)
         await server.drain()
-        drained.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(on_signal()))
-    await drained.wait()
+    await server.stopped.wait()
+    return 1 if server.failure is not None else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,14 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(config.log_level)
     sys.setswitchinterval(config.switch_interval_ms / 1e3)  # process-wide: this process is the worker
     try:
-        asyncio.run(serve(config))
+        return asyncio.run(serve(config))
     except ModelConfigError as exc:
         log.error("cannot start: %s", exc)
         return 2
     except PortUnavailable as exc:
         log.error("%s", exc)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

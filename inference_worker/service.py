@@ -104,8 +104,22 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     ) -> None:
         self.engine, self.config, self.metrics, self.adapters = engine, config, metrics, adapters
         self.draining = False
+        self.failure: WorkerError | None = None  # set when the worker can no longer compute
         self.token_text = TokenBytes(engine.tokenizer)  # token id -> (text, bytes) for logprobs
-        self.active = 0  # generations in flight
+        self._calls: set[asyncio.Queue[RequestOutput]] = set()  # the output queues of generations in flight
+
+    @property
+    def active(self) -> int:
+        """Generations in flight."""
+        return len(self._calls)
+
+    def fail(self, error: WorkerError) -> int:
+        """End every generation in flight with `error` and refuse new ones with it, without waiting
+        for the engine (whose step may be stuck); -> how many were ended. On the event loop."""
+        self.failure = error
+        for queue in self._calls:
+            queue.put_nowait(RequestOutput("", [], "", error=error))
+        return len(self._calls)
 
     # -------------------------------------------------------------------------- helpers
     async def _outputs(
@@ -119,6 +133,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         finished = False
         try:
+            if self.failure is not None:
+                raise self.failure
             if self.draining:
                 raise Draining("the worker is draining; retry on another worker")
             args = (
@@ -134,12 +150,14 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             )
             # validating, tokenizing, rendering a chat template: CPU work, off the event loop
             seq = await asyncio.to_thread(self.engine.make_sequence, *args)
+            if self.failure is not None:  # failed while the request was being built
+                raise self.failure
             observer.submitted(seq)
             self.engine.submit(seq)
         except WorkerError as exc:
             self.metrics.count_request(method, exc.code, request.adapter_id)
             raise
-        self.active += 1
+        self._calls.add(queue)
         try:
             while True:
                 out = await queue.get()
@@ -157,7 +175,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 if finished:
                     return
         finally:
-            self.active -= 1
+            self._calls.discard(queue)
             if not finished:
                 self.engine.abort(rid)
                 self.metrics.count_request(method, "CANCELLED", request.adapter_id)

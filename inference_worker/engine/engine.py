@@ -35,7 +35,7 @@ from loraserve.inference_worker.engine.sequence import (
     SequenceGroup,
     TokenLogprob,
 )
-from loraserve.inference_worker.errors import DeadlineExceeded, InvalidRequest, QueueFull
+from loraserve.inference_worker.errors import DeadlineExceeded, InvalidRequest, QueueFull, WorkerError
 from loraserve.inference_worker.model.chat_template import ChatMessage, ChatTemplate
 from loraserve.inference_worker.model.llama import LlamaModel
 
@@ -198,7 +198,11 @@ class LLMEngine:
             try:
                 ran = self.step()
             except Exception as exc:
-                log.exception("engine step failed")
+                # an expected failure (a tensor-parallel rank died) is told to each request it ends
+                if isinstance(exc, WorkerError):
+                    log.info("engine step failed: %s", exc)
+                else:
+                    log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, error=exc)
                 self.outputs.flush()

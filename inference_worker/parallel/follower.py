@@ -100,11 +100,11 @@ def exit_with_leader(leader_pid: int) -> None:
 
 def main() -> int:
     config = WorkerConfig(**json.loads(sys.stdin.read()))
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     configure_logging(config.log_level)
     exit_with_leader(int(os.environ[LEADER_PID]))
     device, _ = resolve_device(config, rank)
-    tp = join_as_follower(rank, size, device)
+    tp = join_as_follower(config, rank, device)
     try:
         _, dtype = resolve_device(config)
         runner, slots = build_runner(config, tp, load_model(config.model, dtype, tp.device, tp=tp))

@@ -6,7 +6,7 @@ environment.
 
 No orphans: a follower exits on rank 0's STOP, when a collective fails because rank 0 is gone, or
 when its parent process changes (rank 0 killed); rank 0 kills followers that outlive `join`'s
-grace, and at interpreter exit.
+grace, the ones left when another dies or a collective fails, and at interpreter exit.
 """
 
 from __future__ import annotations
@@ -16,14 +16,19 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from loraserve.inference_worker.config import WorkerConfig
+from loraserve.inference_worker.errors import RankFailed
 from loraserve.inference_worker.model.config import ModelConfigError
 from loraserve.inference_worker.parallel.group import TensorParallelGroup
 
@@ -41,10 +46,24 @@ def follower_config_json(config: WorkerConfig) -> str:
 
 
 class FollowerProcesses:
-    """Ranks 1..N-1 of this worker, child processes of rank 0."""
+    """Ranks 1..N-1 of this worker, child processes of rank 0, each watched by a thread blocked in
+    `wait()` on it: a follower that exits unasked (killed, OOM, crashed) fails the group at once.
+
+    A failure is reported once, to the listeners given to `on_failure` (called on the watcher's
+    thread), after the other followers are killed: without every rank the group cannot compute, and
+    a follower left waiting in a collective on the dead one would never return."""
 
     def __init__(self, procs: list[subprocess.Popen]) -> None:
         self.procs = procs
+        self._lock = threading.Lock()
+        self._failure: RankFailed | None = None
+        self._failed = threading.Event()
+        self._listeners: list[Callable[[RankFailed], None]] = []
+        self._expect_exit = False  # set before rank 0 tells them to stop: exits are then no failure
+        for rank, proc in enumerate(procs, start=1):
+            threading.Thread(
+                target=self._watch, args=(rank, proc), name=f"tp-rank-{rank}-watch", daemon=True
+            ).start()
         atexit.register(self.kill)
 
     @classmethod
@@ -72,22 +91,62 @@ class FollowerProcesses:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    @property
+    def failure(self) -> RankFailed | None:
+        return self._failure
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self._expect_exit:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            self.fail(RankFailed(f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"))
+
+    def fail(self, failure: RankFailed) -> None:
+        """The group is broken: kill the followers left, then tell the listeners (first failure only)."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure, listeners = failure, list(self._listeners)
+        self._failed.set()
+        self.kill()
+        for listener in listeners:
+            listener(failure)
+
+    def on_failure(self, listener: Callable[[RankFailed], None]) -> None:
+        """Call `listener(failure)` when the group fails (at once if it already has)."""
+        with self._lock:
+            failure = self._failure
+            if failure is None:
+                self._listeners.append(listener)
+        if failure is not None:
+            listener(failure)
+
+    def failure_after(self, error: Exception, wait_s: float = 1.0) -> RankFailed:
+        """The failure behind a collective that raised `error`: a dead rank's sockets close as it
+        dies, so its watcher reports it within `wait_s`; otherwise (a timeout, a broken
+        connection between live ranks) the group fails with `error` itself."""
+        if not self._failed.wait(wait_s):
+            self.fail(RankFailed(f"a collective with the other tensor-parallel ranks failed: {error}"))
+        assert self._failure is not None
+        return self._failure
+
     def wait_joined(self, store: dist.Store, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every follower is about to join the group; ModelConfigError if one exited first."""
         keys = [JOINED.format(rank) for rank in range(1, len(self.procs) + 1)]
         end = time.monotonic() + timeout_s
         while not store.check(keys):
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.poll() is not None:
-                    raise ModelConfigError(
-                        f"tensor-parallel rank {rank} exited at start-up (code {proc.returncode})"
-                    )
+            if self._failed.wait(0.05):
+                raise ModelConfigError(f"{self._failure} at start-up")
             if time.monotonic() > end:
                 raise ModelConfigError(f"tensor-parallel ranks did not start within {timeout_s:.0f}s")
-            time.sleep(0.05)
+
+    def expect_exit(self) -> None:
+        """The followers are about to be told to stop: their exits are no longer failures."""
+        self._expect_exit = True
 
     def join(self, timeout_s: float = 30.0) -> None:
         """Wait for the followers to exit (they were told to); kill the ones still running after."""
+        self.expect_exit()
         end = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
@@ -97,6 +156,7 @@ class FollowerProcesses:
         self.kill()
 
     def kill(self) -> None:
+        self._expect_exit = True
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
@@ -110,7 +170,7 @@ def start_leader(config: WorkerConfig, device: torch.device) -> tuple[TensorPara
     followers = FollowerProcesses.spawn(config, store.port)
     try:
         followers.wait_joined(store)
-        tp = TensorParallelGroup.initialize(0, size, device, store)
+        tp = TensorParallelGroup.initialize(0, size, device, store, _step_timeout(config))
     except BaseException:
         followers.kill()
         raise
@@ -118,8 +178,13 @@ def start_leader(config: WorkerConfig, device: torch.device) -> tuple[TensorPara
     return tp, followers
 
 
-def join_as_follower(rank: int, size: int, device: torch.device) -> TensorParallelGroup:
+def join_as_follower(config: WorkerConfig, rank: int, device: torch.device) -> TensorParallelGroup:
     """Rank r > 0: reach rank 0's store from MASTER_ADDR / MASTER_PORT and join the group."""
+    size = config.tensor_parallel_size
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False)
     store.set(JOINED.format(rank), "1")
-    return TensorParallelGroup.initialize(rank, size, device, store)
+    return TensorParallelGroup.initialize(rank, size, device, store, _step_timeout(config))
+
+
+def _step_timeout(config: WorkerConfig) -> timedelta:
+    return timedelta(seconds=config.tensor_parallel_timeout_s)

@@ -6,17 +6,24 @@ on their shards. Slot changes travel at the step boundary (step_channel.py): ran
 from any thread (the step thread's admission, an admin RPC), but a sequence reads a slot only after
 the admission that filled it, so a change is always sent before the first step that reads it. Of
 several changes to one slot between two steps only the last is sent.
+
+A collective that raises or times out (a rank died or hangs) fails the whole group: the runner
+raises RankFailed, naming the dead rank when there is one, and every later call raises it at once
+without entering a collective.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.step_plan import StepPlan
+from loraserve.inference_worker.errors import RankFailed
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.inference_worker.lora.slots import LoRASlots
 from loraserve.inference_worker.parallel.group import TensorParallelGroup
@@ -67,13 +74,26 @@ class LeaderRunner(ModelRunner):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.tp, self.followers, self.slots = tp, followers, slots
-        self.channel = StepChannel(tp.cpu_group)
+        self.channel = StepChannel(tp.cpu_group, tp.step_timeout)
         self._closed = False
 
+    @contextmanager
+    def _group(self) -> Iterator[None]:
+        """Collectives with the followers; any failure of them is the group's RankFailed."""
+        if (failure := self.followers.failure) is not None:
+            raise failure
+        try:
+            yield
+        except RankFailed:
+            raise
+        except Exception as exc:
+            raise self.followers.failure_after(exc) from exc
+
     def run(self, plan: StepPlan) -> torch.Tensor:
-        self._send_slot_changes()
-        self.channel.send_step(plan)
-        return super().run(plan)
+        with self._group():
+            self._send_slot_changes()
+            self.channel.send_step(plan)
+            return super().run(plan)
 
     def _send_slot_changes(self) -> None:
         if self.slots is None:
@@ -85,23 +105,27 @@ class LeaderRunner(ModelRunner):
                 self.channel.send_load(slot, payload)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        self.channel.send_copy(src, dst)
-        super().copy_blocks(src, dst)
+        with self._group():
+            self.channel.send_copy(src, dst)
+            super().copy_blocks(src, dst)
 
     def capture_graphs(self) -> None:
         if self._want_graphs and not self.graphs:
-            self._send_slot_changes()  # adapters pinned before start are in the captured slots
-            self.channel.send(Kind.CAPTURE)
-        super().capture_graphs()
+            with self._group():
+                self._send_slot_changes()  # adapters pinned before start are in the captured slots
+                self.channel.send(Kind.CAPTURE)
+                super().capture_graphs()
 
     def close(self) -> None:
         """Tell the followers to exit, wait for them, leave the group (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self.channel.send(Kind.STOP)
-        except Exception:  # a follower is already gone: the others see the broken group and exit
-            pass
+        if self.followers.failure is None:
+            self.followers.expect_exit()
+            try:
+                self.channel.send(Kind.STOP)
+            except Exception:  # a follower is already gone: the others see the broken group and exit
+                pass
         self.followers.join()
         self.tp.close()

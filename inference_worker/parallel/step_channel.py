@@ -13,6 +13,10 @@ weights in a slot before the first step that reads that slot:
     CAPTURE  []      capture the decode CUDA graphs now (their collectives pair up across ranks)
     STOP     []      leave the loop and exit
 
+Rank 0 waits for each message to be taken at most `send_timeout` (a follower that hangs fails the
+step instead of holding rank 0 forever); a follower waits for the next header for as long as the
+worker is idle.
+
 Adapter payloads travel whole (the store's layout, the same for every TP size); each follower
 copies its shard into the slot as rank 0 does (lora/slots.py).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import IntEnum
 
 import torch
@@ -52,11 +57,15 @@ class Message:
 
 
 class StepChannel:
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, send_timeout: timedelta | None = None) -> None:
+        self.group, self.send_timeout = group, send_timeout
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(t, src=0, group=self.group)
+        work = dist.broadcast(t, src=0, group=self.group, async_op=True)
+        if self.send_timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=self.send_timeout)
         return t
 
     def _header(self, kind: Kind, *args: int) -> None:

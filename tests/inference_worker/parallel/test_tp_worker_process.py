@@ -5,61 +5,21 @@ whose rank 0 is killed exits too."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
-import threading
-from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.helpers.tp_worker import WorkerProcess
 from tests.inference_worker.parallel.conftest import needs_gloo
 
 pytestmark = [needs_gloo, pytest.mark.slow, pytest.mark.timeout(120)]
-LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 
 
-class WorkerProcess:
-    def __init__(self, model_dir: Path) -> None:
-        cmd = [sys.executable, "-m", "loraserve", "worker", "--model", str(model_dir)]
-        cmd += ["--port", "0", "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2"]
-        cmd += ["--num-kv-blocks", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
-        cmd += ["--grace-period-s", "10", "--log-level", "WARNING"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self.address = self._wait_listening(timeout_s=60)
-        self.ranks = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
-
-    def _wait_listening(self, timeout_s: float) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                m = LISTENING.search(line)
-                if m:
-                    found.append(f"{m.group(1)}:{m.group(2)}")
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not found:
-            self.proc.kill()
-            pytest.fail(f"the worker did not start (exit code {self.proc.poll()})")
-        return found[0]
-
-    def kill_all(self) -> None:
-        for p in self.ranks:
-            if p.is_running():
-                p.kill()
-
-
-def test_generates_then_drains_every_rank(tiny_model_dir, worker):
+def test_generates_then_drains_every_rank(tiny_model_dir, worker, tmp_path):
     from loraserve.clients.worker_client import WorkerClient
 
-    w = WorkerProcess(tiny_model_dir)
+    w = WorkerProcess(tiny_model_dir, tmp_path / "worker.log")
     try:
         assert len(w.ranks) == 2, "rank 0 starts one follower"
         with WorkerClient(w.address) as client, WorkerClient(worker.address) as single:
@@ -74,8 +34,8 @@ def test_generates_then_drains_every_rank(tiny_model_dir, worker):
         w.kill_all()
 
 
-def test_follower_exits_when_rank0_is_killed(tiny_model_dir):
-    w = WorkerProcess(tiny_model_dir)
+def test_follower_exits_when_rank0_is_killed(tiny_model_dir, tmp_path):
+    w = WorkerProcess(tiny_model_dir, tmp_path / "worker.log")
     try:
         follower = w.ranks[1]
         w.proc.kill()

@@ -1,0 +1,59 @@
+"""`loraserve worker --tensor-parallel-size 2` as a real process: CPU, fp32, gRPC on 127.0.0.1 port 0,
+its log in a file. `ranks` holds rank 0 and its follower, found once the worker listens."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+
+
+class WorkerProcess:
+    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "loraserve", "worker", "--model", str(model_dir)]
+        cmd += ["--port", "0", "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2"]
+        cmd += ["--num-kv-blocks", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+        cmd += ["--grace-period-s", "10", "--log-level", "WARNING", *flags]
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        self.address = self._wait_listening(timeout_s=60)
+        self.ranks = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def _wait_listening(self, timeout_s: float) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                m = LISTENING.search(line)
+                if m:
+                    found.append(f"{m.group(1)}:{m.group(2)}")
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not found:
+            self.proc.kill()
+            pytest.fail(f"the worker did not start (exit code {self.proc.poll()}): {self.log()}")
+        return found[0]
+
+    @property
+    def follower(self) -> psutil.Process:
+        return self.ranks[1]
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def kill_all(self) -> None:
+        for p in self.ranks:
+            if p.is_running():
+                p.kill()
