@@ -112,6 +112,8 @@ def block_m_for(num_tokens: int) -> int:
     return 16 if num_tokens < PREFILL_ROWS else 64
 
 
+# Plans are pure functions of a few ints: cached, since every layer of every step asks for one.
+@functools.lru_cache(maxsize=4096)
 def plan_shrink(
     num_tokens: int,
     num_slices: int,
@@ -154,6 +156,7 @@ def plan_shrink(
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_expand(
     num_tokens: int, max_rank: int, elem_size: int, *, preload: bool = False, b_vector_loads: bool = True
 ) -> ExpandPlan:
