@@ -32,7 +32,7 @@ from typing import BinaryIO
 import torch
 
 from loraserve.adapter_store.optimize import OptimizedAdapter
-from loraserve.contract.adapter_layout import ALIGN, align
+from loraserve.contract.adapter_layout import ADAPTER_ID_RE, ALIGN, align
 from loraserve.contract.payload import TORCH_DTYPES, PayloadTensor
 
 MAGIC = b"LSPAYLD1"
@@ -41,7 +41,7 @@ TEMP_PREFIX = ".tmp-"  # a write in progress (or one a crash left behind)
 _PREAMBLE = struct.Struct("<8sQ32s")  # magic, header length, header sha256
 MAX_HEADER_BYTES = 16 << 20
 READ_STEP = 4 << 20  # bytes per read (and per hash update)
-NAME_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})@([0-9a-f]{64})" + re.escape(SUFFIX))
+NAME_RE = re.compile(f"({ADAPTER_ID_RE.pattern})@([0-9a-f]{{64}}){re.escape(SUFFIX)}")
 
 
 class CorruptPayload(Exception):
