@@ -5,9 +5,11 @@ fetching, validating and optimizing the checkpoint again.
 It is a cache, never the truth: a file is looked up by the registry's current digest and checked in
 full as it is read; a bad one is deleted and the caller rebuilds from the source. Writes, removals,
 eviction (LRU by last use, bounded by bytes) and the start-up sweep run on one writer thread, in
-the order they were asked for; reads run on the caller's thread. A failing disk (full, read-only,
-permission denied) fails no registration and no fetch: each kind of failure is counted, logged once
-per streak, and the store carries on as if the tier were empty.
+the order they were asked for; reads (and the removal of a file a read found bad) run on the
+caller's thread. The order of last use is kept in memory, exact within a run, and in the files'
+mtimes, which the start-up sweep reads back. A failing disk (full, read-only, permission denied)
+fails no registration and no fetch: each kind of failure is counted, logged once per streak, and
+the store carries on as if the tier were empty.
 """
 
 from __future__ import annotations
@@ -98,11 +100,7 @@ class DiskTier:
             self.metrics.disk_misses.inc()
             return None
         self._succeeded("read")
-        with self._lock:
-            self._bytes += size - self._index.get(key, 0)
-            self._index[key] = size
-            self._index.move_to_end(key)
-        self._gauges()
+        self._record(key, size)
         self.metrics.disk_hits.inc()
         self.metrics.disk_read_bytes.inc(adapter.total_bytes)
         return adapter
@@ -113,14 +111,6 @@ class DiskTier:
 
     def close(self) -> None:
         self._writer.shutdown(wait=True, cancel_futures=True)
-
-    def __contains__(self, key: PayloadKey) -> bool:
-        with self._lock:
-            return key in self._index
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
 
     @property
     def bytes(self) -> int:
@@ -133,12 +123,8 @@ class DiskTier:
         if adapter.total_bytes > self.max_bytes or path.exists():
             return  # too large for the tier, or already there (same name, same bytes)
         self.directory.mkdir(parents=True, exist_ok=True)
-        size = write_payload(self.directory, key, adapter)
-        with self._lock:
-            self._bytes += size - self._index.get(key, 0)
-            self._index[key] = size
+        self._record(key, write_payload(self.directory, key, adapter))
         self.metrics.disk_written_bytes.inc(adapter.total_bytes)
-        self._gauges()
         self._evict(keep=key)
 
     def _evict(self, keep: PayloadKey | None = None) -> None:
@@ -216,6 +202,14 @@ class DiskTier:
             return None
 
     # -- bookkeeping -------------------------------------------------------------------------
+    def _record(self, key: PayloadKey, size: int) -> None:
+        """Index `key`'s file of `size` bytes as the most recently used."""
+        with self._lock:
+            self._bytes += size - self._index.get(key, 0)
+            self._index[key] = size
+            self._index.move_to_end(key)
+        self._gauges()
+
     def _unlink(self, key: PayloadKey) -> None:
         (self.directory / key.file_name).unlink(missing_ok=True)
         self._forget(key)
