@@ -244,18 +244,20 @@ class AdapterService:
         return record, optimized
 
     async def _load(self, record: AdapterRecord) -> tuple[OptimizedAdapter, str]:
-        """The payload of `record` from the disk tier, else rebuilt from its source; -> (payload, origin)."""
+        """The payload of `record` from the disk tier, else rebuilt from its source, now in the CPU
+        cache; -> (payload, origin)."""
+        optimized: OptimizedAdapter | None = None
         if self.tier is not None:
             with tracing.span("store.disk_read", {"loraserve.adapter.id": record.adapter_id}):
                 optimized = await asyncio.to_thread(self.tier.get, record)
-            if optimized is not None:
-                self.cache.put(record.adapter_id, optimized, record)
-                self._cache_gauges()
-                return optimized, "disk"
-        optimized = await self._rebuild(record)
-        if self.tier is not None:
-            self.tier.put_soon(record, optimized)  # not awaited: the fetch streams meanwhile
-        return optimized, "source"
+        origin = "disk"
+        if optimized is None:
+            optimized, origin = await self._rebuild(record), "source"
+            if self.tier is not None:
+                self.tier.put_soon(record, optimized)  # not awaited: the fetch streams meanwhile
+        self.cache.put(record.adapter_id, optimized, record)
+        self._cache_gauges()
+        return optimized, origin
 
     async def _rebuild(self, record: AdapterRecord) -> OptimizedAdapter:
         with tracing.span("store.build", {"loraserve.adapter.id": record.adapter_id}):
@@ -267,8 +269,6 @@ class AdapterService:
                 f"{optimized.digest}, not the registered {record.digest}; the checkpoint "
                 "changed since registration (re-register it with overwrite)"
             )
-        self.cache.put(record.adapter_id, optimized, record)
-        self._cache_gauges()
         return optimized
 
 
