@@ -88,8 +88,9 @@ def test_single_flight_registration(start_store) -> None:
     assert _value(store, "loraserve_store_registrations_total", {"outcome": "ok"}) == 8
 
 
-def test_single_flight_fetch_after_eviction(start_store) -> None:
-    store = start_store(cache_dir="")
+@pytest.mark.parametrize("tier", [False, True], ids=["rebuild", "disk"])
+def test_single_flight_fetch_after_eviction(start_store, tier: bool) -> None:
+    store = start_store() if tier else start_store(cache_dir="")
     service = store.service
     digest = store.call(service.register("x", "peft-all-r16-rslora", False)).digest
     service.cache.drop("x")
@@ -100,7 +101,9 @@ def test_single_flight_fetch_after_eviction(start_store) -> None:
     results = store.call(many())
     assert {o.digest for _, o in results} == {digest}
     assert len({id(o.payload) for _, o in results}) == 1
-    assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 1
+    # one load for all: a read of the disk tier's file, else a rebuild from the source
+    assert _value(store, "loraserve_store_disk_hits_total") == int(tier)
+    assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == int(not tier)
     # callers that looked after the rebuild finished find it cached: hits + misses = 8, one build
     hits, misses = (
         _value(store, "loraserve_store_cache_hits_total"),

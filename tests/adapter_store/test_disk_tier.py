@@ -4,7 +4,6 @@ versions go, a failing disk fails nothing, the byte bound evicts LRU, restarts k
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import shutil
@@ -58,21 +57,6 @@ def test_a_miss_is_served_from_disk_without_the_source(start_store, adapter_root
         assert "x" in store.service.cache  # back in memory: the next fetch is a hit
         fetch_adapter(stub, "x")
         assert [_origin_count(store, o) for o in ("memory", "disk", "source")] == [2, 1, 0]
-
-
-def test_concurrent_fetches_read_the_disk_once(start_store) -> None:
-    store = start_store()
-    service = store.service
-    digest = store.call(service.register("x", "peft-all-r16-rslora", False)).digest
-    service.cache.drop("x")
-
-    async def many():
-        return await asyncio.gather(*[service.open_fetch("x", 0, "") for _ in range(8)])
-
-    results = store.call(many())
-    assert {o.digest for _, o in results} == {digest} and len({id(o.payload) for _, o in results}) == 1
-    assert _value(store, "loraserve_store_disk_hits_total") == 1
-    assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 0
 
 
 def _flip_payload_byte(path: Path) -> None:
