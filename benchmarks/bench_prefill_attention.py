@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.bench_kernels import eager_time
 from loraserve.inference_worker.model import prefill_attention as pa
 from loraserve.inference_worker.model.attention import prefill_attention
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 
 SHAPES = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # (heads, kv heads, head_dim)
 BS = 16
+ITERS = 30  # back-to-back calls timed per measurement
 
 
 def workloads() -> dict[str, list[tuple[int, int]]]:
@@ -67,17 +72,6 @@ def make_step(segs: list[tuple[int, int]], nh: int, nkv: int, d: int, dtype: tor
     return q, k, v, k_cache, v_cache, batch
 
 
-def per_call_us(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=list(SHAPES), default="1b")
@@ -94,14 +88,14 @@ def main() -> None:
     for name, segs in workloads().items():
         q, k, v, kc, vc, batch = make_step(segs, nh, nkv, d, dtype)
         ref = prefill_attention(q, k, v, kc, vc, batch, scale)
-        sdpa = per_call_us(lambda: prefill_attention(q, k, v, kc, vc, batch, scale))  # noqa: B023
+        sdpa = eager_time(lambda: prefill_attention(q, k, v, kc, vc, batch, scale), ITERS) * 1e6  # noqa: B023
         row = f"{name:22s} tokens {q.shape[0]:5d}  sdpa loop {sdpa:8.0f} us"
         for cfg in configs:
             pa._tile_config = default if cfg is None else (lambda *_, c=cfg: (max(c[0], _[2]), c[1], c[2]))
             args_ = (q, kc, vc, batch.block_tables, batch.context_lens, batch.prefill_query_start, scale)
             out = pa.paged_prefill_attention(*args_)
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            t = per_call_us(lambda a=args_: pa.paged_prefill_attention(*a))
+            t = eager_time(lambda a=args_: pa.paged_prefill_attention(*a), ITERS) * 1e6
             row += f"  triton{'' if cfg is None else cfg} {t:7.0f} us (rel err {err:.1e})"
         pa._tile_config = default
         print(row, flush=True)

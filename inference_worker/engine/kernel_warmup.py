@@ -41,7 +41,7 @@ def _noop(_: object) -> None:
     return None
 
 
-def _sequence(num_tokens: int, lora_slot: int, blocks: int, block_size: int) -> Sequence:
+def _sequence(num_tokens: int, lora_slot: int, block_size: int) -> Sequence:
     """A sequence of `num_tokens` dummy tokens whose KV blocks are all the reserved block 0."""
     seq = Sequence(
         request_id="kernel-warmup",
@@ -50,9 +50,23 @@ def _sequence(num_tokens: int, lora_slot: int, blocks: int, block_size: int) -> 
         on_output=_noop,
         text_stream=None,  # type: ignore[arg-type]  # never detokenized
     )
-    seq.block_table = [0] * max(blocks, -(-num_tokens // block_size))
+    seq.block_table = [0] * -(-num_tokens // block_size)
     seq.lora_slot = lora_slot
     return seq
+
+
+def dummy_batch(prefills: list[tuple[int, int]], decode_slots: list[int], block_size: int) -> ScheduledBatch:
+    """A step of dummy sequences on the reserved block 0: a prefill chunk per (tokens, LoRA slot) of
+    `prefills`, and a decode per LoRA slot of `decode_slots` (one cached token, decoding its second)."""
+    sched = ScheduledBatch()
+    for n, slot in prefills:
+        sched.prefills.append((_sequence(n, slot, block_size), n))
+    for slot in decode_slots:
+        seq = _sequence(1, slot, block_size)
+        seq.num_computed_tokens = 1
+        seq.output_token_ids = [0]
+        sched.decodes.append(seq)
+    return sched
 
 
 def step_mixes(max_tokens: int, max_seqs: int) -> list[tuple[list[int], int]]:
@@ -107,20 +121,12 @@ def warm_up_lora_path(runner: ModelRunner, max_tokens: int) -> int:
 
 def warm_up_steps(runner: ModelRunner, max_tokens: int, max_seqs: int) -> int:
     """Run eager steps for the mixes of `step_mixes`, with and without adapter rows; -> steps."""
-    bs = runner.block_size
     steps = 0
     variants = (False, True) if runner.adapters is not None else (False,)
     for chunks, decodes in step_mixes(max_tokens, max_seqs):
         for lora in variants:
             slot = 0 if lora else -1
-            sched = ScheduledBatch()
-            for n in chunks:
-                sched.prefills.append((_sequence(n, slot, 1, bs), n))
-            for _ in range(decodes):
-                seq = _sequence(1, slot, 1, bs)  # one cached token, decoding its second
-                seq.num_computed_tokens = 1
-                seq.output_token_ids = [0]
-                sched.decodes.append(seq)
+            sched = dummy_batch([(n, slot) for n in chunks], [slot] * decodes, runner.block_size)
             runner.execute(sched)  # a prefill in every mix: an eager step
             steps += 1
     return steps

@@ -102,7 +102,6 @@ class ModelRunner:
             seq_slots.append(seq.lora_slot)
         sample_seqs.extend(sched.decodes)
         num_prefill_tokens = query_start[len(sched.prefills)]
-        num_decodes = len(sched.decodes)
         width = max(len(t) for t in tables)  # graph replays copy into the first `width` columns
         if pad_to:  # padding rows: token 0 at position 0 writing the reserved block 0
             extra = pad_to - len(ids)
@@ -130,10 +129,10 @@ class ModelRunner:
             num_seqs=n_seq,
             num_logits=n_log,
             width=width,
-            num_prefills=len(sched.prefills),
+            num_prefills=n_pre,
             num_prefill_tokens=num_prefill_tokens,
             bucket=pad_to or 0,
-            num_sampled=num_decodes if pad_to else n_log,
+            num_sampled=len(sched.decodes) if pad_to else n_log,
             query_start=query_start,
             context_lens_cpu=ctx_lens[: len(query_start) - 1],
             seq_slots=seq_slots,

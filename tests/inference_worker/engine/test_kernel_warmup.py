@@ -91,7 +91,6 @@ def _compiled_variants() -> int:
 def test_no_compile_after_warm_up_for_new_step_shapes(tiny_model_dir, tmp_path):
     from loraserve.inference_worker.builder import build_worker
     from loraserve.inference_worker.config import WorkerConfig
-    from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 
     config = WorkerConfig(
         model=str(tiny_model_dir), device="cuda", dtype="bfloat16", max_num_seqs=32, max_model_len=512,
@@ -106,17 +105,13 @@ def test_no_compile_after_warm_up_for_new_step_shapes(tiny_model_dir, tmp_path):
     assert compiled > 0
     rng = random.Random(0)
     for _ in range(40):  # random mixes of prefill chunks and decodes, adapters and base rows
-        sched = ScheduledBatch()
         decodes = rng.randint(0, 20)
         budget = rng.randint(8, config.max_num_batched_tokens - decodes)
-        for _ in range(rng.randint(1, 8)):
-            n = rng.randint(1, max(1, budget // 8))
-            seq = kernel_warmup._sequence(n, rng.randint(-1, 3), 1, config.block_size)
-            sched.prefills.append((seq, n))
-        for _ in range(decodes):
-            seq = kernel_warmup._sequence(1, rng.randint(-1, 3), 1, config.block_size)
-            seq.num_computed_tokens, seq.output_token_ids = 1, [0]
-            sched.decodes.append(seq)
+        prefills = [
+            (rng.randint(1, max(1, budget // 8)), rng.randint(-1, 3)) for _ in range(rng.randint(1, 8))
+        ]
+        decode_slots = [rng.randint(-1, 3) for _ in range(decodes)]
+        sched = kernel_warmup.dummy_batch(prefills, decode_slots, config.block_size)
         engine.runner.execute(sched)
     torch.cuda.synchronize()
     assert _compiled_variants() == compiled, "a step compiled a kernel the warm-up did not"

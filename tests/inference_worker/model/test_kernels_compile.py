@@ -16,6 +16,13 @@ from tests.helpers.triton_compile import compile_launch, record_launches, resour
 SHAPES = {"1b": (2048, 8192, 32, 8, 64), "8b": (4096, 14336, 32, 8, 128)}
 
 
+def assert_no_spills(launches: list) -> None:
+    """Each recorded launch compiles for sm_90 with no stack or local memory (no register spill)."""
+    for kernel, args, kwargs in launches:
+        use = resources(compile_launch(kernel, args, kwargs).asm["cubin"])
+        assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, use)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_worker_kernels_compile_for_hopper(monkeypatch, shape) -> None:
     hidden, inter, nh, nkv, d = SHAPES[shape]
@@ -44,9 +51,7 @@ def test_worker_kernels_compile_for_hopper(monkeypatch, shape) -> None:
         d**-0.5,
     )
     assert len(launches) == 6
-    for kernel, args, kwargs in launches:
-        use = resources(compile_launch(kernel, args, kwargs).asm["cubin"])
-        assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, use)
+    assert_no_spills(launches)
 
 
 # bf16 and fp16 compile alike; fp32 takes the exact (FMA) products and its own tile sizes
@@ -66,6 +71,4 @@ def test_prefill_attention_compiles_for_hopper(monkeypatch, shape, dtype) -> Non
         d**-0.5,
     )
     assert len(launches) == 1
-    kernel, args, kwargs = launches[0]
-    use = resources(compile_launch(kernel, args, kwargs).asm["cubin"])
-    assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, use)
+    assert_no_spills(launches)
