@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import functools
 import io
@@ -33,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,18 +83,24 @@ class Bench:
         if self.args.json:
             Path(self.args.json).write_text(json.dumps(self.results, indent=2) + "\n")
 
-    def profiled(self, worker: Service, name: str, seconds: float):  # type: ignore[no-untyped-def]
-        """With --profile DIR: py-spy samples the worker for `seconds` (one collapsed-stack file per
-        thread-tagged run, DIR/name.txt); the Popen to wait for, or None."""
+    @contextlib.contextmanager
+    def profiled(self, worker: Service, name: str, seconds: float, on: bool = True) -> Iterator[None]:
+        """With --profile DIR (and `on`): py-spy samples the worker for `seconds` (one collapsed-stack
+        file per thread-tagged run, DIR/name.txt), waited for on leaving."""
         a = self.args
-        spy = shutil.which("py-spy") if a.profile else None
+        spy = shutil.which("py-spy") if a.profile and on else None
         if spy is None:
-            return None
+            yield
+            return
         a.profile.mkdir(parents=True, exist_ok=True)
         cmd = [spy, "record", "--pid", str(worker.process.pid), "--duration", str(max(1, int(seconds))),
                "--rate", "100", "--format", "raw", "--threads", "--nonblocking", "--output",
                str(a.profile / f"{name}.txt")]  # fmt: skip
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            yield
+        finally:
+            proc.wait()
 
     def spec(self, ids: Sequence[str], rate: float | None, seed: int) -> WorkloadSpec:
         a = self.args
@@ -153,11 +160,9 @@ class Bench:
         """The N sweep on `worker`; a `variant` (a worker started with other flags) is reported
         under results["variants"][variant] instead of results["n"]."""
         a = self.args
-        if variant:
-            variants: dict = self.results.setdefault("variants", {})  # type: ignore[assignment]
-            table: dict = variants.setdefault(variant, {"n": {}})["n"]
-        else:
-            table = self.results["n"]  # type: ignore[assignment]
+        results: dict = self.results
+        out: dict = results.setdefault("variants", {}).setdefault(variant, {"n": {}}) if variant else results
+        table: dict = out["n"]
         for i, n in enumerate(a.ns):
             ids = names[:n]
             row: dict[str, object] = {}
@@ -167,15 +172,14 @@ class Bench:
 
             # the first warm-up is longer: the worker's kernels compile for the shapes they meet
             warm = a.first_warmup if i == 0 else a.warmup
-            spy = self.profiled(worker, f"n{n}-warmup", warm) if i == 0 and not variant else None
-            got = self.load(target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address])
-            row["warmup"] = got
-            spy = spy.wait() if spy is not None else None
-            spy = None if variant else self.profiled(worker, f"n{n}-saturation", a.duration)
-            sat = self.load(
-                target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address]
-            )
-            spy = spy.wait() if spy is not None else None
+            with self.profiled(worker, f"n{n}-warmup", warm, on=i == 0 and not variant):
+                row["warmup"] = self.load(
+                    target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address]
+                )
+            with self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant):
+                sat = self.load(
+                    target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address]
+                )
             row["saturation"] = sat
             throughput = float(sat["request_throughput"])
             for share in (0.5, 0.8):
@@ -191,7 +195,7 @@ class Bench:
         if lo != hi:
             base = table[lo]["saturation"]["request_throughput"]
             top = table[hi]["saturation"]["request_throughput"]
-            (variants[variant] if variant else self.results)["throughput_ratio"] = {
+            out["throughput_ratio"] = {
                 "n_high": int(hi),
                 "n_low": int(lo),
                 "ratio": round(top / base, 4),
@@ -370,14 +374,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         t1 = time.monotonic()
         register_all(store.address, adapter_root, names)
         print(f"{len(names)} adapters registered in {time.monotonic() - t1:.1f} s", flush=True)
-        worker = fleet.start_worker("worker", model_dir, store.address, bench.worker_options())
-        from loraserve.clients.worker_client import WorkerClient
-
-        with WorkerClient(worker.address, timeout=10) as c:
-            bench.vocab = int(c.info().vocab_size)
+        bench.vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         if args.sweep:
+            worker = fleet.start_worker("worker", model_dir, store.address, bench.worker_options())
             bench.sweep(worker, names)
-        fleet.stop(worker)
+            fleet.stop(worker)
         for name, flags in args.variant:
             opts = bench.worker_options()
             opts.extra = [*opts.extra, *flags.split()]

@@ -4,15 +4,16 @@ checked by clients/adapter_fetch.py). Turns the store's answers into adapter fai
 A fetch runs on one of a few fetch threads over a sync channel, not on the worker's event loop:
 receiving, copying and hashing tens of MB per adapter there would stall every token stream the
 loop serves (measured under serving load at 1,000 adapters: the loop spent a third of its time in
-fetches). The thread waits on the network without the interpreter lock and hashes without it."""
+fetches). The thread waits on the network without the interpreter lock and hashes without it.
+Listings (the store check's ListAdapters) take the same threads and channel."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from loraserve.clients.channel import bearer_metadata
 from loraserve.contract.payload import PayloadTensor
@@ -29,8 +30,7 @@ from loraserve.inference_worker.lora.payload import AdapterPayload
 if TYPE_CHECKING:
     import grpc
 
-    from loraserve.v1 import store_pb2_grpc
-
+T = TypeVar("T")
 
 CHANNEL_OPTIONS = [
     # reconnect quickly once the store is back (the default backoff grows to minutes)
@@ -42,8 +42,8 @@ CHANNEL_OPTIONS = [
 
 
 class StoreSource:
-    """Channels to the store, made on first use: a sync one for fetches (on `max_fetches` fetch
-    threads) and a grpc.aio one on the running event loop for listings."""
+    """One sync channel to the store and `max_fetches` fetch threads, made on first use; fetches
+    and listings run on the threads."""
 
     def __init__(
         self,
@@ -59,65 +59,54 @@ class StoreSource:
         self._metadata: Sequence[tuple[str, str]] | None = bearer_metadata(token)
         self._timeout_s, self._max_retries = timeout_s, max_retries
         self._tls_root_cert = tls_root_cert
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: store_pb2_grpc.AdapterStoreStub | None = None
-        self._fetch_channel: grpc.Channel | None = None
         self._max_fetches = max_fetches
-        self._fetch_threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._channel: grpc.Channel | None = None
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def _store_stub(self) -> store_pb2_grpc.AdapterStoreStub:
-        from loraserve.clients.channel import open_aio_channel
-        from loraserve.serving import tracing
-        from loraserve.v1 import store_pb2_grpc
-
-        if self._stub is None:
-            self._channel = open_aio_channel(
-                self.address,
-                root_certificates=self._tls_root_cert,
-                options=CHANNEL_OPTIONS,
-                interceptors=tracing.client_interceptors(),  # the store continues the fetch's trace
-            )
-            self._stub = store_pb2_grpc.AdapterStoreStub(self._channel)
-        return self._stub
-
-    async def fetch(self, adapter_id: str, digest: str = "") -> AdapterPayload:
+    async def _on_thread(self, call: Callable[[grpc.Channel], T], adapter_id: str = "") -> T:
+        """`call(channel)` on a fetch thread; its gRPC errors become adapter failures."""
         import grpc
 
-        from loraserve.clients.adapter_fetch import DataLossError, FetchError, fetch_adapter
         from loraserve.clients.channel import open_channel
-        from loraserve.serving import tracing
 
-        if self._fetch_threads is None:
-            self._fetch_threads = concurrent.futures.ThreadPoolExecutor(
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(
                 self._max_fetches, thread_name_prefix="adapter-fetch"
             )
-        if self._fetch_channel is None:
-            self._fetch_channel = open_channel(
+        if self._channel is None:
+            self._channel = open_channel(
                 self.address, root_certificates=self._tls_root_cert, options=CHANNEL_OPTIONS
             )
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, call, self._channel)
+        except grpc.RpcError as exc:
+            raise failure_of(exc, adapter_id) from None
+        except RuntimeError as exc:  # the fetch threads were shut down: the worker is stopping
+            doing = f"fetching adapter {adapter_id!r}" if adapter_id else "listing the store's adapters"
+            raise DependencyUnavailable(f"{doing} stopped: {exc}") from None
+
+    async def fetch(self, adapter_id: str, digest: str = "") -> AdapterPayload:
+        from loraserve.clients.adapter_fetch import DataLossError, FetchError, fetch_adapter
+        from loraserve.serving import tracing
+
         # the fetch thread sends the trace context of the span this coroutine runs in
         metadata = tracing.inject(self._metadata) if tracing.enabled() else self._metadata
         run = functools.partial(
-            fetch_adapter,
-            self._fetch_channel,  # the channel itself: chunks are decoded straight into the buffer
-            adapter_id,
+            fetch_adapter,  # given the channel itself: chunks are decoded straight into the buffer
+            adapter_id=adapter_id,
             digest=digest,
             max_retries=self._max_retries,
             timeout=self._timeout_s,
             metadata=metadata,
         )
         try:
-            fetched = await asyncio.get_running_loop().run_in_executor(self._fetch_threads, run)
+            fetched = await self._on_thread(run, adapter_id)
         except DataLossError as exc:
             raise AdapterCorrupt(str(exc)) from None
         except FetchError as exc:
             raise DependencyUnavailable(
                 f"fetching adapter {adapter_id!r} from the store failed: {exc}"
             ) from None
-        except grpc.RpcError as exc:
-            raise failure_of(exc, adapter_id) from None
-        except RuntimeError as exc:  # the fetch threads were shut down: the worker is stopping
-            raise DependencyUnavailable(f"fetching adapter {adapter_id!r} stopped: {exc}") from None
         m = fetched.manifest
         tensors = [
             PayloadTensor(t.name, tuple(int(s) for s in t.shape), t.dtype, int(t.offset), int(t.nbytes))
@@ -129,36 +118,32 @@ class StoreSource:
 
     async def digests(self) -> dict[str, str]:
         """adapter id -> digest of everything registered (ListAdapters, all pages)."""
-        import grpc
+        return await self._on_thread(self._list_digests)
 
-        from loraserve.v1 import store_pb2
+    def _list_digests(self, channel: grpc.Channel) -> dict[str, str]:
+        from loraserve.v1 import store_pb2, store_pb2_grpc
 
+        stub = store_pb2_grpc.AdapterStoreStub(channel)
         out: dict[str, str] = {}
         token = ""
-        try:
-            while True:
-                resp = await self._store_stub().ListAdapters(
-                    store_pb2.ListAdaptersRequest(page_size=1000, page_token=token),
-                    timeout=self._timeout_s,
-                    metadata=self._metadata,
-                )
-                out.update({a.adapter_id: a.digest for a in resp.adapters})
-                token = resp.next_page_token
-                if not token:
-                    return out
-        except grpc.RpcError as exc:
-            raise failure_of(exc, "") from None
+        while True:
+            resp = stub.ListAdapters(
+                store_pb2.ListAdaptersRequest(page_size=1000, page_token=token),
+                timeout=self._timeout_s,
+                metadata=self._metadata,
+            )
+            out.update({a.adapter_id: a.digest for a in resp.adapters})
+            token = resp.next_page_token
+            if not token:
+                return out
 
     async def close(self) -> None:
-        if self._fetch_threads is not None:
-            self._fetch_threads.shutdown(wait=False, cancel_futures=True)
-            self._fetch_threads = None
-        if self._fetch_channel is not None:
-            self._fetch_channel.close()  # a fetch still streaming ends with CANCELLED
-            self._fetch_channel = None
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
         if self._channel is not None:
-            await self._channel.close()
-            self._channel, self._stub = None, None
+            self._channel.close()  # a fetch still streaming ends with CANCELLED
+            self._channel = None
 
 
 def failure_of(exc: grpc.RpcError, adapter_id: str) -> WorkerError:

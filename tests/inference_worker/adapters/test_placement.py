@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from loraserve.clients.placement import home
 from loraserve.inference_worker.adapters.placement import FleetView, Move, plan_moves
-from loraserve.inference_worker.coordination import InProcessCoordinator, Residency
+from loraserve.inference_worker.coordination import Residency
+from tests.inference_worker.coordination import test_coordinator
+
+coordinator = test_coordinator.coordinator  # the contract suite's fixture: both implementations
 
 WORKERS = ("10.0.0.1:50061", "10.0.0.2:50061")
 IDS = [f"ad-{i:02d}" for i in range(24)]
@@ -69,18 +70,6 @@ def test_ties_are_ordered_by_id() -> None:
     mine = sorted(x for x in IDS if home(x, WORKERS) == a)
     popularity = {x: 1.0 for x in reversed(mine)}
     assert [m.adapter_id for m in plan(view(a, popularity), max_moves=3, share=1.0)] == mine[:3]
-
-
-@pytest.fixture(params=["in_process", pytest.param("redis", marks=pytest.mark.redis)])
-def coordinator(request):
-    if request.param == "in_process":
-        yield InProcessCoordinator()
-        return
-    from loraserve.inference_worker.coordination.redis_coordinator import RedisCoordinator
-
-    c = RedisCoordinator(request.getfixturevalue("redis_url"), request.getfixturevalue("redis_prefix"))
-    yield c
-    c.close()
 
 
 def test_fleet_view_reads_live_holders_by_address(coordinator) -> None:
