@@ -65,15 +65,6 @@ class ShardedLlamaModel(LlamaModel):
         self.tp = tp
         self.vocab_start = shard.vocab(cfg.vocab_size)[0]
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> hidden states [T, hidden] after the final norm (the same on every rank)."""
-        x = self.embed(batch.input_ids)
-        cos_sin = self.cos_sin[batch.positions]  # [T, d]
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, batch)
-        return self.norm(x, residual)[0]
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, hidden]; rows of tokens outside this rank's vocabulary are zero
         # before the all-reduce, which adds the one rank's row that holds each token
