@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.bench_lora_worker import PROMPT_LEN, RANK, decode_run, distinct_ids, make_payload
 from benchmarks.bench_lora_worker import SHAPES as WORKER_SHAPES
+from benchmarks.bench_lora_worker import hf_config as worker_hf_config
 from loraserve.inference_worker.builder import build_adapters, build_leader, engine_config_for
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import LLMEngine
@@ -71,20 +72,11 @@ MEMORY_SHARE = 0.6  # of a GPU's free memory for the 70B-shaped layers at TP=1 (
 
 
 def hf_config(shape: str, num_layers: int) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "_name_or_path": f"random-{shape}",
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        **SHAPES[shape],
-        **({"num_hidden_layers": num_layers} if num_layers else {}),
-    }
+    """The worker benchmark's config with this benchmark's shape (`num_layers` 0: the shape's)."""
+    cfg = {**worker_hf_config("8b"), **SHAPES[shape], "_name_or_path": f"random-{shape}"}
+    if num_layers:
+        cfg["num_hidden_layers"] = num_layers
+    return cfg
 
 
 def layers_that_fit(cfg: dict, num_adapters: int, dtype: torch.dtype, device: torch.device) -> int:

@@ -36,9 +36,6 @@ class RowParallelLoRALayer(LoRALayer):
         super().__init__(slots, layer, group, options)
         self.all_reduce = all_reduce
 
-    def begin(self, x: torch.Tensor, lora: kernels.LoRABatch) -> None:
-        return None
-
     def finish(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch, begun: object) -> None:
         # x: [T, in / N] this rank's columns, y: [T, N_out] the reduced base output (added to)
         _, num_slices, max_rank, _ = self.lora_a.shape

@@ -86,14 +86,17 @@ class LoRASlots:
         self.payload_out: dict[str, int] = {}
         # group -> (B rows per slice, A input columns) of this rank, in the payload's tensors
         self.shard_ranges: dict[str, tuple[list[Range], Range]] | None = None
-        model_cfg = ModelConfig.from_dict(hf_config) if shard is not None else None
+        if shard is not None:
+            cfg = ModelConfig.from_dict(hf_config)
+            self.shard_ranges = {
+                g.name: (shard.out_ranges(cfg, g.name), shard.in_range(cfg, g.name)) for g in GROUPS
+            }
         for g in GROUPS:
             n_in, outs = group_dims(hf_config, g)
             self.payload_in[g.name], self.payload_out[g.name] = n_in, sum(outs)
-            if shard is not None and model_cfg is not None:
-                rows, cols = shard.out_ranges(model_cfg, g.name), shard.in_range(model_cfg, g.name)
-                self.shard_ranges = {**(self.shard_ranges or {}), g.name: (rows, cols)}
-                n_in, outs = cols[1], [n for _, n in rows]
+            if self.shard_ranges is not None:
+                rows, (_, n_in) = self.shard_ranges[g.name]
+                outs = [n for _, n in rows]
             self.in_features[g.name], self.out_sizes[g.name] = n_in, outs
             self.a_all[g.name] = torch.zeros(
                 n, max_loras, len(outs), max_rank, n_in, dtype=dtype, device=self.device

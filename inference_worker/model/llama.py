@@ -165,12 +165,16 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> hidden states [T, hidden] after the final norm."""
-        x = F.embedding(batch.input_ids, self.embed_tokens)
+        x = self.embed(batch.input_ids)
         cos_sin = self.cos_sin[batch.positions]  # [T, d]
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos_sin, batch)
         return self.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, hidden]
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] float32

@@ -101,9 +101,7 @@ def load_model(
         model = LlamaModel(cfg, dtype, device)
     else:
         from loraserve.inference_worker.model.sharded_llama import ShardedLlamaModel
-        from loraserve.inference_worker.parallel.shard import check_tensor_parallel
 
-        check_tensor_parallel(cfg, tp.size)
         model = ShardedLlamaModel(cfg, dtype, device, tp)
     names = {(id(p), off): n for n, p, off in _named_targets(model)}
     seen: set[tuple[int, int]] = set()

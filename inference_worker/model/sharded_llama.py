@@ -19,6 +19,7 @@ from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.linear import GroupedLinear
 from loraserve.inference_worker.model.llama import LlamaModel, LocalDims
 from loraserve.inference_worker.parallel.group import TensorParallelGroup
+from loraserve.inference_worker.parallel.shard import check_tensor_parallel
 
 
 class RowParallelLinear(GroupedLinear):
@@ -54,25 +55,18 @@ class ShardedLlamaModel(LlamaModel):
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: TensorParallelGroup
     ) -> None:
+        check_tensor_parallel(cfg, tp.size)
         shard = tp.shard
+        vocab_start, vocab_rows = shard.vocab(cfg.vocab_size)
         dims = LocalDims(
             num_heads=cfg.num_heads // shard.size,
             num_kv_heads=shard.kv_heads(cfg.num_kv_heads)[1],
             intermediate_size=cfg.intermediate_size // shard.size,
-            vocab_rows=shard.vocab(cfg.vocab_size)[1],
+            vocab_rows=vocab_rows,
         )
         super().__init__(cfg, dtype, device, dims, partial(RowParallelLinear, tp))
         self.tp = tp
-        self.vocab_start = shard.vocab(cfg.vocab_size)[0]
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """-> hidden states [T, hidden] after the final norm (the same on every rank)."""
-        x = self.embed(batch.input_ids)
-        cos_sin = self.cos_sin[batch.positions]  # [T, d]
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, batch)
-        return self.norm(x, residual)[0]
+        self.vocab_start = vocab_start
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, hidden]; rows of tokens outside this rank's vocabulary are zero

@@ -103,10 +103,9 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     configure_logging(config.log_level)
     exit_with_leader(int(os.environ[LEADER_PID]))
-    device, _ = resolve_device(config, rank)
+    device, dtype = resolve_device(config, rank)
     tp = join_as_follower(config, rank, device)
     try:
-        _, dtype = resolve_device(config)
         runner, slots = build_runner(config, tp, load_model(config.model, dtype, tp.device, tp=tp))
         follow(runner, slots, StepChannel(tp.cpu_group))
     except Exception:

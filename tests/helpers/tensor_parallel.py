@@ -43,10 +43,10 @@ def generate(model_dir: Path, tp_size: int, requests: list[Request]) -> list[lis
     """Token ids of each request (its completions' tokens in the order they came), greedy, fp32 on
     CPU, with tensor_parallel_size `tp_size`."""
     from loraserve.inference_worker.builder import build_worker
-    from loraserve.inference_worker.config import WorkerConfig
     from loraserve.inference_worker.engine.sequence import SamplingParams
     from tests.helpers.adapter_sources import AdaptersRunning, PayloadSource
     from tests.helpers.lora_payloads import payload_of, random_adapter
+    from tests.helpers.workers import worker_config
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     layers = tuple(range(int(hf["num_hidden_layers"])))
@@ -54,11 +54,8 @@ def generate(model_dir: Path, tp_size: int, requests: list[Request]) -> list[lis
         payload_of(random_adapter(hf, targets, seed, layers), hf, name)
         for name, (targets, seed) in ADAPTERS.items()
     ]
-    config = WorkerConfig(
-        model=str(model_dir),
-        device="cpu",
-        dtype="float32",
-        max_num_seqs=8,
+    config = worker_config(
+        model_dir,
         max_num_batched_tokens=64,
         max_model_len=128,
         num_kv_blocks=64,
@@ -70,7 +67,6 @@ def generate(model_dir: Path, tp_size: int, requests: list[Request]) -> list[lis
         adapter_prefetch=0,
         adapter_poll_interval_s=60.0,
         tensor_parallel_size=tp_size,
-        log_level="WARNING",
     )
     worker = build_worker(config, source=PayloadSource(payloads))
     engine, adapters = worker.engine, worker.adapters
