@@ -71,6 +71,7 @@ class WorkerMetrics:
             registry=r,
         )
         self._step_kinds = {k: self.step_seconds.labels(k) for k in ("prefill", "decode")}
+        engine.step_observer = self.observe_step
         self._server: Any = None  # prometheus_client's WSGIServer once serving
 
     def count_request(self, method: str, code: str, adapter_id: str = "") -> None:

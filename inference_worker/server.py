@@ -92,7 +92,6 @@ class WorkerServer:
         self._stopping = False
         self._stopping_failed: asyncio.Future[None] | None = None
         self.metrics = WorkerMetrics(self.engine, self.config.metrics_top_adapters)
-        self.engine.step_observer = self.metrics.observe_step
         if self.adapters is not None:
             self.adapters.register_metrics(self.metrics.registry, self.metrics.per_adapter)
         self.servicer = InferenceWorkerServicer(self.engine, self.config, self.metrics, self.adapters)

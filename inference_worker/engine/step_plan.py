@@ -42,6 +42,11 @@ class StepPlan:
     seq_slots: list[int]  # [S] LoRA slot per sequence (-1 base)
 
     @staticmethod
+    def h64_numel(num_tokens: int, num_logits: int) -> int:
+        """Elements of h64 for these sizes (its layout above)."""
+        return 3 * num_tokens + num_logits
+
+    @staticmethod
     def h32_numel(num_tokens: int, num_seqs: int, num_prefills: int, width: int) -> int:
         """Elements of h32 for these sizes (its layout above)."""
         return num_seqs + num_tokens + num_prefills + 1 + num_seqs * width

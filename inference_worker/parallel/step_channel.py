@@ -144,7 +144,7 @@ class StepChannel:
 
     def _receive_plan(self, h: list[int]) -> StepPlan:
         n_tok, n_seq, n_log, width, n_pre, n_pre_tok, bucket, n_sampled, s = h
-        n64 = 3 * n_tok + n_log
+        n64 = StepPlan.h64_numel(n_tok, n_log)
         n32 = StepPlan.h32_numel(n_tok, n_seq, n_pre, width)
         body = self._bcast(torch.empty(n64 + n32 + 3 * s + 1, dtype=torch.int64))
         lists = body[n64 + n32 :].tolist()
