@@ -93,7 +93,9 @@ def test_follower_killed_while_streaming_fails_running_and_queued_calls(tiny_mod
             assert running.num_tokens < LONG and queued.num_tokens == 0
             with pytest.raises(grpc.RpcError) as refused:
                 client.generate("Hello", max_tokens=2)
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            # refused by the failed servicer (UNAVAILABLE), or, once the server's stop has begun,
+            # by gRPC itself (CANCELLED): which one depends on when the call lands, never served
+            assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         check_failed_worker(w, "tensor-parallel rank 1")
     finally:
         w.kill_all()
