@@ -41,4 +41,7 @@ def test_routes_across_the_workers_that_heartbeat(
 def test_falls_back_to_the_given_worker(gateway_worker, start_gateway, redis_url, redis_prefix) -> None:
     gw = start_gateway(redis_url=redis_url, redis_prefix=redis_prefix, worker=gateway_worker.address)
     with openai_client(gw.url) as c:
-        assert c.completions.create(model=ADAPTERS[0], prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+        # served by the given worker (sampled at the API's default temperature: the tiny model may
+        # end at once with its end-of-sequence token, so the count of tokens is not asserted)
+        out = c.completions.create(model=ADAPTERS[0], prompt="Hi", max_tokens=2)
+        assert out.usage.prompt_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
