@@ -3,7 +3,8 @@
 Builds Llama-3.2-1B- and Llama-3-8B-shaped models with random bf16 weights directly on the GPU (no
 files), then for each decode batch size B: B requests with PROMPT_LEN-token prompts are prefilled,
 and STEPS decode steps are timed through `LLMEngine.step()` (scheduling, CUDA-graph replay,
-sampling, detokenization: what a served request pays). The roofline time of one decode step is
+sampling, detokenization: what a served request pays), with asynchronous scheduling (the default on
+CUDA) and, interleaved in each round, without it. The roofline time of one decode step is
 (weight bytes + KV bytes of all contexts) / device-to-device copy bandwidth, the bandwidth measured
 here with a large torch copy (read + write bytes / time).
 
@@ -149,7 +150,7 @@ def bench_model(
                     f"{name}-{b}-{i}",
                     "",
                     ids,
-                    SamplingParams(max_tokens=REPS * STEPS + 8, ignore_eos=True),
+                    SamplingParams(max_tokens=2 * REPS * STEPS + 8, ignore_eos=True),
                     outs[i].append,
                 )
             )
@@ -161,13 +162,21 @@ def bench_model(
         ctx = [s.num_tokens for s in engine.scheduler.running]
         bucket = next(k for k in sorted(engine.runner.graphs) if k >= b)
         graph = engine.runner.graphs[bucket]
-        step_times, replay_times = [], []
+        step_times, replay_times, sync_times = [], [], []
         for _ in range(REPS):
             t0 = time.perf_counter()
             for _ in range(STEPS):
                 engine.step()
             torch.cuda.synchronize()
             step_times.append((time.perf_counter() - t0) / STEPS)
+            # the same steps with each step's tokens read back before the next is planned
+            engine.set_async_scheduling(False)
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                engine.step()
+            torch.cuda.synchronize()
+            sync_times.append((time.perf_counter() - t0) / STEPS)
+            engine.set_async_scheduling(True)
             # graph replay alone (no host work): the GPU time of one step
             t0 = time.perf_counter()
             for _ in range(STEPS):
@@ -175,9 +184,10 @@ def bench_model(
             torch.cuda.synchronize()
             replay_times.append((time.perf_counter() - t0) / STEPS)
         step_s, replay_s = statistics.median(step_times), statistics.median(replay_times)
+        sync_s = statistics.median(sync_times)
         if profile and b == 1:
             print_kernel_profile(graph, name)
-        kv_bytes = sum(c + REPS * STEPS // 2 for c in ctx) * kv_per_token
+        kv_bytes = sum(c + REPS * STEPS for c in ctx) * kv_per_token  # contexts at mid-run
         roof_s = (weight_bytes + kv_bytes) / bw
         rows.append(
             dict(
@@ -189,6 +199,8 @@ def bench_model(
                 replay_ms=replay_s * 1e3,
                 replay_ms_range=(min(replay_times) * 1e3, max(replay_times) * 1e3),
                 engine_over_replay=step_s / replay_s,
+                sync_ms=sync_s * 1e3,
+                sync_over_replay=sync_s / replay_s,
                 roof_ms=roof_s * 1e3,
                 ratio=step_s / roof_s,
                 replay_ratio=replay_s / roof_s,
@@ -232,14 +244,16 @@ def main() -> None:
         f"{STEPS} engine steps and {STEPS} graph replays: medians (min-max).",
         "",
         "| model | batch | decode tok/s | step ms (engine) | step ms (graph replay) | engine / replay | "
+        "engine / replay, synchronous scheduling | "
         "roofline ms | engine / roofline | replay / roofline | weights GB | KV read GB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} "
             f"({r['step_ms_range'][0]:.2f}-{r['step_ms_range'][1]:.2f}) | {r['replay_ms']:.2f} "
             f"({r['replay_ms_range'][0]:.2f}-{r['replay_ms_range'][1]:.2f}) | {r['engine_over_replay']:.2f}x | "
+            f"{r['sync_over_replay']:.2f}x ({r['sync_ms']:.2f} ms) | "
             f"{r['roof_ms']:.2f} | {r['ratio']:.2f}x | {r['replay_ratio']:.2f}x | {r['weights_gb']:.2f} | "
             f"{r['kv_gb']:.3f} |"
         )

@@ -211,7 +211,7 @@ class Bench:
         a = self.args
         ids = names[: max(a.ns)]
         out: dict[str, object] = {}
-        variants = {"off": 0, "on": a.prefetch}
+        variants = {v: (a.prefetch if v == "on" else 0) for v in a.prefetch_variants}
         opts = {
             v: WorkerOptions(
                 **{**self.worker_options().__dict__, "prefetch": p, "kv_cache_mb": a.kv_cache_mb // 2}
@@ -333,6 +333,12 @@ def parser() -> argparse.ArgumentParser:
         help="seconds of saturating load through the router over both workers before the measured "
         "phase (a few thousand requests: under Zipf over 1,000 adapters, fewer leave most of the "
         "tail never seen)",
+    )
+    p.add_argument(
+        "--prefetch-variants",
+        default=("off", "on"),
+        type=lambda s: tuple(v for v in s.split(",") if v in ("off", "on")) or ("off", "on"),
+        help="which two-worker runs, in order: off,on (default), off or on",
     )
     p.add_argument("--prefetch-rate", type=float, default=0.0, help="req/s (default: half of saturation)")
     p.add_argument("--redis-url", default="", help="an existing Redis (else --redis-server is started)")

@@ -247,6 +247,7 @@ def engine_config_for(config: WorkerConfig, model: LlamaModel) -> EngineConfig:
         default_max_tokens=config.default_max_tokens,
         use_cuda_graphs=config.cuda_graphs,
         kernel_warmup=config.kernel_warmup,
+        async_scheduling=None if config.async_scheduling else False,  # None: where it applies
         max_prompt_chars=config.max_prompt_chars,
     )
 

@@ -34,6 +34,8 @@ _HELP = {
     "cuda_graphs": "capture CUDA graphs for decode steps",
     "kernel_warmup": "compile every kernel variant a step can launch before serving (CUDA; cached on "
     "disk by Triton, so a restart is quick)",
+    "async_scheduling": "plan and launch the next step while the device runs the current one, "
+    "reading its tokens back after (CUDA, not with tensor parallelism)",
     "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "
     "interpreter before the step thread gets it back (Python's own default is 5)",
     "tensor_parallel_size": "ranks (one process and GPU each) the model is sharded over; rank 0 serves "
@@ -82,6 +84,7 @@ class WorkerConfig:
     default_max_tokens: int = 16
     cuda_graphs: bool = True
     kernel_warmup: bool = True
+    async_scheduling: bool = True
     switch_interval_ms: float = 0.5
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0

@@ -18,6 +18,9 @@ class EngineConfig:
     default_max_tokens: int = 16
     use_cuda_graphs: bool = True
     kernel_warmup: bool = True  # compile every kernel variant at start (CUDA): kernel_warmup.py
+    # plan and launch step N + 1 before reading step N's tokens back (engine.py); None = on CUDA
+    # (not for a tensor-parallel leader, whose other ranks take their inputs from the plan)
+    async_scheduling: bool | None = None
     max_prompt_chars: int = (
         0  # characters of a prompt (or a conversation); 0 = CHARS_PER_TOKEN x max_model_len
     )

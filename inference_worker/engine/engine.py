@@ -5,6 +5,16 @@ loop); they only touch an inbox under a lock. The step thread drains the inbox, 
 model, samples, and hands each request's `RequestOutput` to its `on_output` callback (the service
 forwards it to the loop with `call_soon_threadsafe`). A cancelled request or an expired deadline is
 removed before the next step and its KV blocks return to the pool at once.
+
+Asynchronous scheduling (on CUDA by default): step N + 1 is scheduled, planned and launched while
+step N still runs on the device, and only then are step N's tokens read back, appended, detokenized
+and sent (while step N + 1 runs). A decoding sequence whose last token is still on the device takes
+it as input there (`Sequence.num_pending`, `StepPlan.gather`); its random draw counts that token.
+A sequence that step N ends (EOS, a stop string) has run one step for nothing, whose token is
+dropped; one that step N ends by length is not scheduled again. The device runs the steps in
+order, so KV blocks and adapter slots that a finished sequence releases are reused only after the
+step still running for it. Without it (CPU, a tensor-parallel leader) a step's tokens are read back
+before the next step is planned.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
@@ -25,7 +36,7 @@ from loraserve.inference_worker.engine.forking import SiblingForker
 from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.output_queue import OutputCallback, OutputDispatcher, OutputQueue
 from loraserve.inference_worker.engine.request_builder import RequestBuilder
-from loraserve.inference_worker.engine.sampler import Sampler
+from loraserve.inference_worker.engine.sampler import LaunchedSample, Sampler
 from loraserve.inference_worker.engine.scheduler import Scheduler
 from loraserve.inference_worker.engine.sequence import (
     FinishReason,
@@ -42,6 +53,14 @@ from loraserve.inference_worker.model.llama import LlamaModel
 __all__ = ["EngineConfig", "LLMEngine"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A step whose sampled tokens are still on the device."""
+
+    sample: LaunchedSample
+    seqs: list[Sequence]  # row i of sample.tokens belongs to seqs[i]
 
 
 class LLMEngine:
@@ -95,6 +114,10 @@ class LLMEngine:
         # seconds, sequences, tokens) with kind "prefill" (a prefill chunk in the step) or "decode"
         self.step_observer: Callable[[str, float, int, int], None] | None = None
         self._text_pending: list[Sequence] = []  # sampled last step, text not yet processed
+        cfg_async = config.async_scheduling
+        on_cuda = self.runner.device.type == "cuda"
+        self.async_scheduling = not self.runner.sharded and (on_cuda if cfg_async is None else cfg_async)
+        self._inflight: _Launched | None = None  # the launched step not yet read back
 
     # --------------------------------------------------------------------- any thread
     @property
@@ -169,6 +192,17 @@ class LLMEngine:
         with self._lock:
             self._wake.notify()
 
+    def set_async_scheduling(self, on: bool) -> None:
+        """Turn asynchronous scheduling on or off between steps (on the thread that steps the
+        engine, or before `start`); the step in flight is read back first. A tensor-parallel
+        leader stays synchronous."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            self._complete(launched)
+            self._process_text()
+            self.outputs.flush()
+        self.async_scheduling = on and not self.runner.sharded
+
     def start(self) -> None:
         # before serving, so no request waits for a kernel compile or a graph capture
         if self.config.kernel_warmup and self.runner.device.type == "cuda":
@@ -190,7 +224,13 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self._inbox and not self._aborts and not self.scheduler.has_work:
+                while (
+                    not self._stop
+                    and not self._inbox
+                    and not self._aborts
+                    and not self.scheduler.has_work
+                    and self._inflight is None
+                ):
                     self._wake.wait()
                 if self._stop:
                     break
@@ -203,6 +243,7 @@ class LLMEngine:
                     log.info("engine step failed: %s", exc)
                 else:
                     log.exception("engine step failed")
+                self._inflight = None  # what it sampled is not trusted: its sequences end here
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR, error=exc)
                 self.outputs.flush()
@@ -244,23 +285,40 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for seq in sched.failed:
             self._finish(seq, FinishReason.ERROR, error=seq.error)
+        prev = self._inflight
         if sched.empty:
+            if prev is None:
+                self._process_text()
+                return False
+            # nothing runs next (the sequences of the step in flight end with it): read it back
+            self._inflight = None
+            self._complete(prev)
             self._process_text()
-            return False
-        logits, seqs = self.runner.execute(sched)  # asynchronous on CUDA
+            return True
+        # asynchronous on CUDA; decode rows with a token still on the device read it there
+        logits, seqs = self.runner.execute(sched, prev.sample.tokens if prev is not None else None)
         for seq, n in sched.prefills:
             seq.num_computed_tokens += n
             self.num_prefill_tokens += n
         for seq in sched.decodes:
             seq.num_computed_tokens += 1
-        # detokenize, check stop strings and emit the previous step's tokens while the GPU runs
-        self._process_text()
+        if not self.async_scheduling:
+            # detokenize, check stop strings and emit the previous step's tokens while the GPU runs
+            self._process_text()
         logits, seqs = self.forker.fork(logits, seqs)
-        sampled = self.sampler.step(logits, seqs)
-        now = time.monotonic()
-        for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
-            if seq.finish_reason is None:  # not ended by a stop string found just above
-                self._append(seq, tok, now, lp)
+        launched = _Launched(self.sampler.launch(logits, seqs), seqs)
+        for i, seq in enumerate(seqs):
+            seq.num_pending += 1
+            seq.pending_row = i
+        if self.async_scheduling:
+            # this step is queued behind the previous one: read that one back, then process its
+            # text, while the device runs this one
+            self._inflight = launched
+            if prev is not None:
+                self._complete(prev)
+            self._process_text()
+        else:
+            self._complete(launched)
         self.num_steps += 1
         if self.step_observer is not None:
             tokens = sum(n for _, n in sched.prefills) + len(sched.decodes)
@@ -269,6 +327,15 @@ class LLMEngine:
                 kind, time.perf_counter() - t0, len(sched.prefills) + len(sched.decodes), tokens
             )
         return True
+
+    def _complete(self, launched: _Launched) -> None:
+        """Read a launched step's tokens back (waits for the device) and append them."""
+        sampled = self.sampler.finish(launched.sample)
+        now = time.monotonic()
+        for seq, tok, lp in zip(launched.seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            seq.num_pending -= 1
+            if seq.finish_reason is None:  # not ended meanwhile (a stop string, an abort)
+                self._append(seq, tok, now, lp)
 
     def _append(self, seq: Sequence, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
         """Token bookkeeping right after sampling; text and its delta follow in the next step."""
@@ -282,7 +349,8 @@ class LLMEngine:
         seq.output_token_ids.append(tok)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        known = seq.num_prompt_tokens + len(seq.output_token_ids)  # not a later step's pending token
+        if len(seq.output_token_ids) >= p.max_tokens or known >= self.config.max_model_len:
             return self._finish(seq, FinishReason.LENGTH)
         self._text_pending.append(seq)
 

@@ -14,6 +14,7 @@ from loraserve.inference_worker.engine.block_manager import BlockManager
 from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.scheduler import Scheduler
 from loraserve.inference_worker.engine.sequence import Sequence, SequenceStatus
+from loraserve.inference_worker.engine.transfer import to_device
 
 
 class SiblingForker:
@@ -47,7 +48,7 @@ class SiblingForker:
             parent.forks = []
         if copies:
             self.runner.copy_blocks([c[0] for c in copies], [c[1] for c in copies])
-        return logits[torch.tensor(rows, device=logits.device)], seqs
+        return logits[to_device(rows, logits.device)], seqs
 
     def _admit(self, parent: Sequence, child: Sequence) -> bool:
         """Hold the adapter for `child`; False (holding nothing) unless it gets the parent's slot."""

@@ -11,6 +11,7 @@ import torch
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import Sequence
 from loraserve.inference_worker.engine.step_plan import LoRABatchSource, StepPlan
+from loraserve.inference_worker.engine.transfer import tensor_to_device, to_device
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.kernels import LoRABatch
@@ -74,6 +75,8 @@ class ModelRunner:
         query_start, ctx_lens, tables, seq_slots, token_slots = [0], [], [], [], []
         logits_idx: list[int] = []
         sample_seqs: list[Sequence] = []
+        gather_dst: list[int] = []  # decode rows whose input is the previous step's sampled token
+        gather_src: list[int] = []
 
         for seq, n in sched.prefills:
             start, table = seq.num_computed_tokens, seq.block_table
@@ -91,7 +94,12 @@ class ModelRunner:
                 sample_seqs.append(seq)
         for seq in sched.decodes:  # one token each: the last one, not yet in the cache
             p, table = seq.num_computed_tokens, seq.block_table
-            ids.append(seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1])
+            if seq.num_pending:  # sampled by the step still running: read on the device
+                gather_dst.append(len(ids))
+                gather_src.append(seq.pending_row)
+                ids.append(0)
+            else:
+                ids.append(seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1])
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             token_slots.append(seq.lora_slot)
@@ -136,15 +144,14 @@ class ModelRunner:
             query_start=query_start,
             context_lens_cpu=ctx_lens[: len(query_start) - 1],
             seq_slots=seq_slots,
+            gather=torch.tensor([gather_dst, gather_src], dtype=torch.int64) if gather_dst else None,
         )
         return plan, sample_seqs
 
     def to_device(self, plan: StepPlan) -> ForwardBatch:
         h64, h32 = plan.h64, plan.h32
         n_tok, n_seq, n_log, n_pre = plan.num_tokens, plan.num_seqs, plan.num_logits, plan.num_prefills
-        if self.device.type == "cuda":
-            h64 = h64.pin_memory().to(self.device, non_blocking=True)
-            h32 = h32.pin_memory().to(self.device, non_blocking=True)
+        h64, h32 = tensor_to_device(h64, self.device), tensor_to_device(h32, self.device)
         return ForwardBatch(
             input_ids=h64[:n_tok],
             positions=h64[n_tok : 2 * n_tok],
@@ -168,18 +175,27 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------- execution
     @torch.inference_mode()
-    def execute(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs one step; -> (logits [N, V] float32, the N sequences they belong to)."""
+    def execute(
+        self, sched: ScheduledBatch, prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs one step; -> (logits [N, V] float32, the N sequences they belong to).
+        `prev_tokens`: the tokens sampled by the step before, still on the device, which the
+        decode rows of sequences with a pending token take as input."""
         n = len(sched.decodes)
         bucket = next((b for b in self.graphs if b >= n), None) if not sched.prefills else None
         plan, sample_seqs = self.plan(sched, pad_to=bucket)
-        return self.run(plan), sample_seqs
+        return self.run(plan, prev_tokens), sample_seqs
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One model call on a planned batch: a graph replay for a padded decode batch, else eager;
         -> logits [plan.num_sampled, V] float32."""
         batch = self.to_device(plan)
+        if plan.gather is not None:
+            if prev_tokens is None:
+                raise ValueError("the step reads tokens of a previous step that were not given")
+            g = tensor_to_device(plan.gather, self.device)
+            batch.input_ids[g[0]] = prev_tokens[g[1]]
         if plan.bucket:
             # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
             # steps without adapter rows replay graphs without it
@@ -193,8 +209,8 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """KV of blocks src[i] -> dst[i] in every layer (queued after the step that wrote them)."""
-        s = torch.tensor(src, device=self.device)
-        d = torch.tensor(dst, device=self.device)
+        s = to_device(src, self.device)
+        d = to_device(dst, self.device)
         self.kv_cache[:, :, d] = self.kv_cache[:, :, s]  # [layers, 2, blocks, block_size, nkv, d]
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from loraserve.inference_worker.engine.sequence import Sequence
+from loraserve.inference_worker.engine.transfer import to_device
 
 
 class TokenCounts:
@@ -36,21 +37,21 @@ class TokenCounts:
             r = self._rows[seq.seq_id] = self._free.pop()
             self.counts[r].zero_()
             self.prompt[r].zero_()
-            self.prompt[r, torch.tensor(seq.prompt_token_ids, device=self.device)] = True
+            self.prompt[r, to_device(seq.prompt_token_ids, self.device)] = True
             if seq.output_token_ids:
-                out = torch.tensor(seq.output_token_ids, device=self.device)
+                out = to_device(seq.output_token_ids, self.device)
                 self.counts[r].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         return r
 
     def get(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (counts [M, V] int32 of the generated tokens, seen [M, V] bool: in prompt or output)."""
-        idx = torch.tensor([self._row(s) for s in seqs], device=self.device)
+        idx = to_device([self._row(s) for s in seqs], self.device)
         counts = self.counts[idx]
         return counts, self.prompt[idx] | (counts > 0)
 
     def add(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """Count one sampled token per sequence. tokens: [M] int64."""
-        idx = torch.tensor([self._rows[s.seq_id] for s in seqs], device=self.device)
+        idx = to_device([self._rows[s.seq_id] for s in seqs], self.device)
         self.counts.index_put_((idx, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
     def release(self, seq: Sequence) -> None:

@@ -32,6 +32,7 @@ import torch
 
 from loraserve.inference_worker.engine.penalties import TokenCounts
 from loraserve.inference_worker.engine.sequence import Sequence, TokenLogprob
+from loraserve.inference_worker.engine.transfer import to_device
 
 MAX_TOP_LOGPROBS = 20
 
@@ -65,6 +66,19 @@ class Sampled:
     logprobs: list[TokenLogprob | None]  # per row; None where not asked for
 
 
+@dataclass
+class LaunchedSample:
+    """One step's sampling, queued on the device and not yet read back (`Sampler.finish`)."""
+
+    tokens: torch.Tensor  # [N] int64 on the device, one per row
+    num_rows: int
+    logprob_rows: list[int]  # rows that asked for logprobs
+    top_ks: list[int]  # their top_logprobs
+    chosen: torch.Tensor | None = None  # [M] logprob of each such row's token
+    top_values: torch.Tensor | None = None  # [M, K]
+    top_ids: torch.Tensor | None = None  # [M, K]
+
+
 class Sampler:
     def __init__(self) -> None:
         self._seeds: dict[int, int] = {}  # seq_id -> 64-bit seed (drawn once for unseeded requests)
@@ -88,6 +102,12 @@ class Sampler:
 
     def step(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         """logits: [N, V] float32, one row per sequence -> N tokens (and logprobs where asked)."""
+        return self.finish(self.launch(logits, seqs))
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> LaunchedSample:
+        """Queue the sampling of one step on the device without waiting for it: its tokens can feed
+        the next step on the device before the host reads them (`finish`). Each row's random draw
+        is taken at its sequence's next output position, counting a token still on the device."""
         live = [i for i, s in enumerate(seqs) if s.finish_reason is None]  # not ended by a stop string
         penalized = [i for i in live if seqs[i].params.penalized]
         x = self.apply_penalties(logits, seqs, penalized)
@@ -101,18 +121,33 @@ class Sampler:
                 (plain if not 0 < p.top_k < vocab and p.top_p >= 1.0 else ordered).append(i)
         for rows, pick in ((plain, self._plain), (ordered, self._ordered)):
             if rows:
-                idx = torch.tensor(rows, device=logits.device)
+                idx = to_device(rows, logits.device)
                 tokens[idx] = pick(x[idx], [seqs[i] for i in rows])
         if penalized:
             assert self._counts is not None
-            self._counts.add([seqs[i] for i in penalized], tokens[torch.tensor(penalized, device=x.device)])
+            self._counts.add([seqs[i] for i in penalized], tokens[to_device(penalized, x.device)])
         wanted = [i for i in live if seqs[i].params.logprobs]
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        out = LaunchedSample(tokens, len(seqs), wanted, [])
         if wanted:
-            lps = self._logprobs(logits, tokens, [seqs[i] for i in wanted], wanted)
-            for i, lp in zip(wanted, lps, strict=True):
-                logprobs[i] = lp
-        return Sampled(tokens.tolist(), logprobs)
+            self._launch_logprobs(out, logits, [seqs[i] for i in wanted])
+        return out
+
+    @staticmethod
+    def finish(launched: LaunchedSample) -> Sampled:
+        """Read a launched step's tokens (and logprobs) back to the host: waits for the device."""
+        logprobs: list[TokenLogprob | None] = [None] * launched.num_rows
+        token_ids: list[int] = launched.tokens.tolist()
+        rows = launched.logprob_rows
+        if rows:
+            assert launched.chosen is not None
+            chosen: list[float] = launched.chosen.tolist()
+            top_v: list[list[float]] = [[] for _ in rows]
+            top_i: list[list[int]] = [[] for _ in rows]
+            if launched.top_values is not None and launched.top_ids is not None:
+                top_v, top_i = launched.top_values.tolist(), launched.top_ids.tolist()
+            for row, c, ti, tv, k in zip(rows, chosen, top_i, top_v, launched.top_ks, strict=True):
+                logprobs[row] = TokenLogprob(token_ids[row], c, tuple(zip(ti[:k], tv[:k], strict=True)))
+        return Sampled(token_ids, logprobs)
 
     def apply_penalties(
         self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int] | None = None
@@ -126,13 +161,13 @@ class Sampler:
         if self._counts is None:
             self._counts = TokenCounts(logits.shape[1], logits.device)
         dev = logits.device
-        idx = torch.tensor(rows, device=dev)
+        idx = to_device(rows, dev)
         seqs = [seqs[i] for i in rows]
         counts, seen = self._counts.get(seqs)  # [M, V] int32, [M, V] bool
         x = logits[idx]
-        pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=x.dtype, device=dev)[:, None]
-        freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=x.dtype, device=dev)[:, None]
-        rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=x.dtype, device=dev)[:, None]
+        pres = to_device([s.params.presence_penalty for s in seqs], dev, x.dtype)[:, None]
+        freq = to_device([s.params.frequency_penalty for s in seqs], dev, x.dtype)[:, None]
+        rep = to_device([s.params.repetition_penalty for s in seqs], dev, x.dtype)[:, None]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         x = x - freq * counts - pres * (counts > 0)
         out = logits.clone()
@@ -140,32 +175,20 @@ class Sampler:
         return out
 
     @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]
-    ) -> list[TokenLogprob]:
-        idx = torch.tensor(rows, device=logits.device)
+    def _launch_logprobs(out: LaunchedSample, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        idx = to_device(out.logprob_rows, logits.device)
         lp = logits[idx].float().log_softmax(-1)  # [M, V]
-        chosen = lp.gather(-1, tokens[idx].unsqueeze(-1)).squeeze(-1).tolist()
-        ks = [min(s.params.top_logprobs, lp.shape[1]) for s in seqs]
-        top_v: list[list[float]] = [[] for _ in rows]
-        top_i: list[list[int]] = [[] for _ in rows]
-        if max(ks) > 0:
-            v, i = lp.topk(max(ks), dim=-1)  # [M, K] most likely first
-            top_v, top_i = v.tolist(), i.tolist()
-        toks = tokens[idx].tolist()
-        return [
-            TokenLogprob(t, c, tuple(zip(ti[:k], tv[:k], strict=True)))
-            for t, c, ti, tv, k in zip(toks, chosen, top_i, top_v, ks, strict=True)
-        ]
+        out.chosen = lp.gather(-1, out.tokens[idx].unsqueeze(-1)).squeeze(-1)
+        out.top_ks = [min(s.params.top_logprobs, lp.shape[1]) for s in seqs]
+        if max(out.top_ks) > 0:
+            out.top_values, out.top_ids = lp.topk(max(out.top_ks), dim=-1)  # [M, K] most likely first
 
     def _scaled(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits / temperature [M, V], u [M]) of the rows that sample."""
         dev = logits.device
         # temperatures under 1e-4 behave as greedy up to ties, without overflowing x to inf
-        temp = torch.tensor([max(s.params.temperature, 1e-4) for s in seqs], dtype=torch.float32, device=dev)
-        u = torch.tensor(
-            [uniform(self.seed(s), len(s.output_token_ids)) for s in seqs], dtype=torch.float64, device=dev
-        )
+        temp = to_device([max(s.params.temperature, 1e-4) for s in seqs], dev, torch.float32)
+        u = to_device([uniform(self.seed(s), s.num_generated) for s in seqs], dev, torch.float64)
         return logits / temp[:, None], u
 
     def _plain(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -182,9 +205,9 @@ class Sampler:
         else:
             cand, ids = torch.sort(x, dim=-1, descending=True)
         rank = torch.arange(cand.shape[1], device=dev)
-        cand = cand.masked_fill(rank[None, :] >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
+        cand = cand.masked_fill(rank[None, :] >= to_device(top_k, dev)[:, None], float("-inf"))
         probs = cand.softmax(-1)
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev)
+        top_p = to_device([s.params.top_p for s in seqs], dev, torch.float32)
         # drop a candidate once the mass before it reaches top_p (the first always stays)
         probs = probs.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], 0.0)
         return ids.gather(-1, _inverse_cdf(probs, u).unsqueeze(-1)).squeeze(-1)

@@ -112,8 +112,8 @@ class Scheduler:
             else decoding + [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         )
         for seq in ordered:
-            if seq.status is not SequenceStatus.RUNNING or budget <= 0:
-                continue
+            if seq.status is not SequenceStatus.RUNNING or budget <= 0 or seq.ends_with_pending:
+                continue  # (a token still on the device is its last: nothing to run)
             n = min(seq.num_uncomputed_tokens, budget)
             scheduled.add(seq.seq_id)
             if not self._reserve(seq, seq.num_computed_tokens + n, scheduled):
@@ -126,6 +126,8 @@ class Scheduler:
             # an n > 1 request is admitted with room for its siblings, which fork from it
             if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or budget <= 0:
                 break
+            if seq.num_pending:  # its last token is still on the device: its prompt waits for it
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             needed = self.blocks.num_new_blocks(seq, seq.num_computed_tokens + n)
             free = self.blocks.num_free_blocks

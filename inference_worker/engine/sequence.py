@@ -103,6 +103,11 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() deadline, None = none
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
+    # tokens sampled on the device but not yet read back (0 or 1: with asynchronous scheduling the
+    # next step is planned while this one runs); `pending_row` is that token's row in the step's
+    # sampled-token tensor, which the next step's input reads on the device
+    num_pending: int = 0
+    pending_row: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
@@ -128,7 +133,17 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens so far, the one still on the device included."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def ends_with_pending(self) -> bool:
+        """Its token on the device is its last (max_tokens): no step needs to run for it."""
+        return self.num_pending > 0 and self.num_generated >= self.params.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

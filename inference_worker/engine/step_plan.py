@@ -40,6 +40,9 @@ class StepPlan:
     query_start: list[int]  # [S + 1] host ints, real sequences only
     context_lens_cpu: list[int]  # [S]
     seq_slots: list[int]  # [S] LoRA slot per sequence (-1 base)
+    # [2, G] int64 (rows of input_ids, rows of the previous step's sampled tokens): decode inputs
+    # still on the device when the step was planned (asynchronous scheduling); None when none
+    gather: torch.Tensor | None = None
 
     @staticmethod
     def h64_numel(num_tokens: int, num_logits: int) -> int:

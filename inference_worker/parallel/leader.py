@@ -89,7 +89,9 @@ class LeaderRunner(ModelRunner):
         except Exception as exc:
             raise self.followers.failure_after(exc) from exc
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        if plan.gather is not None:  # the other ranks get the inputs from the plan alone
+            raise ValueError("a tensor-parallel step cannot read tokens still on the device")
         with self._group():
             self._send_slot_changes()
             self.channel.send_step(plan)
