@@ -37,8 +37,8 @@ def batches(gateway_worker):
     seen: list[set[str]] = []
     execute = runner.execute
 
-    def recording(sched):
-        logits, seqs = execute(sched)
+    def recording(sched, prev_tokens=None):
+        logits, seqs = execute(sched, prev_tokens)
         seen.append({s.adapter_id for s in seqs})
         return logits, seqs
 
