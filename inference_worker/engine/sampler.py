@@ -77,6 +77,33 @@ class LaunchedSample:
     chosen: torch.Tensor | None = None  # [M] logprob of each such row's token
     top_values: torch.Tensor | None = None  # [M, K]
     top_ids: torch.Tensor | None = None  # [M, K]
+    # on CUDA: the tensors above copied into pinned host memory right after this step's sampling,
+    # and an event after those copies; `finish` waits for that event, not for later steps
+    host: list[torch.Tensor | None] | None = None
+    copied: torch.cuda.Event | None = None
+
+    def start_readback(self) -> None:
+        """Queue the copies to the host (CUDA), so that reading them waits for this step only."""
+        if not self.tokens.is_cuda:
+            return
+        self.host = [
+            None
+            if t is None
+            else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in (self.tokens, self.chosen, self.top_values, self.top_ids)
+        ]
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(tokens, chosen, top_values, top_ids) on the host, once the device has produced them."""
+        if self.host is None:
+            return self.tokens, self.chosen, self.top_values, self.top_ids
+        assert self.copied is not None
+        self.copied.synchronize()
+        tokens, chosen, top_values, top_ids = self.host
+        assert tokens is not None
+        return tokens, chosen, top_values, top_ids
 
 
 class Sampler:
@@ -130,21 +157,23 @@ class Sampler:
         out = LaunchedSample(tokens, len(seqs), wanted, [])
         if wanted:
             self._launch_logprobs(out, logits, [seqs[i] for i in wanted])
+        out.start_readback()
         return out
 
     @staticmethod
     def finish(launched: LaunchedSample) -> Sampled:
         """Read a launched step's tokens (and logprobs) back to the host: waits for the device."""
         logprobs: list[TokenLogprob | None] = [None] * launched.num_rows
-        token_ids: list[int] = launched.tokens.tolist()
+        tokens, chosen_t, top_values, top_ids = launched.read()
+        token_ids: list[int] = tokens.tolist()
         rows = launched.logprob_rows
         if rows:
-            assert launched.chosen is not None
-            chosen: list[float] = launched.chosen.tolist()
+            assert chosen_t is not None
+            chosen: list[float] = chosen_t.tolist()
             top_v: list[list[float]] = [[] for _ in rows]
             top_i: list[list[int]] = [[] for _ in rows]
-            if launched.top_values is not None and launched.top_ids is not None:
-                top_v, top_i = launched.top_values.tolist(), launched.top_ids.tolist()
+            if top_values is not None and top_ids is not None:
+                top_v, top_i = top_values.tolist(), top_ids.tolist()
             for row, c, ti, tv, k in zip(rows, chosen, top_i, top_v, launched.top_ks, strict=True):
                 logprobs[row] = TokenLogprob(token_ids[row], c, tuple(zip(ti[:k], tv[:k], strict=True)))
         return Sampled(token_ids, logprobs)
