@@ -115,6 +115,7 @@ class AdapterFetcher:
                 with self._lock:
                     generation = self._installer.generation(ref.adapter_id)
                 fetched = await self.source.fetch(ref.adapter_id, ref.digest)
+                nbytes = fetched.nbytes
                 # packing copies tens of MB: not on the event loop
                 payload = await asyncio.to_thread(self._installer.prepare, fetched)
                 del fetched  # its buffer may go back to the host buffer pool now
@@ -122,9 +123,7 @@ class AdapterFetcher:
                     if self._installer.install(payload, generation):
                         seconds = time.perf_counter() - t0
                         self.metrics.observe_load("cpu", ref.adapter_id, seconds)
-                        tracing.annotate(
-                            {"loraserve.load_ms": seconds * 1e3, "loraserve.bytes": payload.nbytes}
-                        )
+                        tracing.annotate({"loraserve.load_ms": seconds * 1e3, "loraserve.bytes": nbytes})
                         return payload.key
             raise DependencyUnavailable(
                 f"adapter {ref.adapter_id!r} kept changing at the store while fetching"
