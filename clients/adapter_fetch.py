@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,19 +74,12 @@ class AdapterDownload:
     """State of one download; keep it to resume later with `fetch_adapter(..., download=d)`."""
 
     def __init__(
-        self,
-        adapter_id: str,
-        *,
-        pin_memory: bool | None = None,
-        buffer: torch.Tensor | None = None,
-        allocate: Callable[[int], torch.Tensor] | None = None,
+        self, adapter_id: str, *, pin_memory: bool | None = None, buffer: torch.Tensor | None = None
     ) -> None:
-        """buffer: an optional preallocated 1-D uint8 tensor to fill (its first total_bytes are used);
-        allocate: or a function giving one for total_bytes once the manifest names it (a pool)."""
+        """buffer: an optional preallocated 1-D uint8 tensor to fill (its first total_bytes are used)."""
         self.adapter_id = adapter_id
         self.manifest: store_pb2.AdapterManifest | None = None
         self._given = buffer
-        self._allocate = allocate
         self.buffer: torch.Tensor | None = None
         self.received = 0  # bytes [0, received) are in buffer
         self._np: np.ndarray | None = None
@@ -149,8 +142,6 @@ class AdapterDownload:
                     f"offset {t.offset}, {t.nbytes} bytes of {m.total_bytes})"
                 )
         self.manifest = m
-        if self._given is None and self._allocate is not None:
-            self._given = self._allocate(m.total_bytes)
         if self._given is not None:
             if (
                 self._given.dtype != torch.uint8
@@ -266,11 +257,10 @@ def fetch_adapter(
     metadata: Sequence[tuple[str, str]] | None = None,
     pin_memory: bool | None = None,
     buffer: torch.Tensor | None = None,
-    allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> FetchedAdapter:
     """Fetch through a sync channel (fastest) or `AdapterStoreStub`; resumes a broken stream up to
     max_retries times. digest: expected digest (FAILED_PRECONDITION from the store when it differs)."""
-    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer, allocate=allocate)
+    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
     while True:
         error: grpc.RpcError | None = None
@@ -296,10 +286,9 @@ async def fetch_adapter_async(
     metadata: Sequence[tuple[str, str]] | None = None,
     pin_memory: bool | None = None,
     buffer: torch.Tensor | None = None,
-    allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> FetchedAdapter:
     """Fetch through a grpc.aio channel (fastest) or an asyncio `AdapterStoreStub`."""
-    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer, allocate=allocate)
+    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
     while True:
         error: grpc.RpcError | None = None

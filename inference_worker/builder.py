@@ -175,8 +175,6 @@ def build_adapters(
         max_cpu_bytes=config.max_cpu_lora_mb << 20,
         worker_id=config.resolved_worker_id,
     )
-    if isinstance(source, StoreSource):  # received payloads land in the pool's reused buffers
-        source.buffers = pool.buffers
     list_digests = source.digests if isinstance(source, StoreSource) else None
     adapters = WorkerAdapters(
         pool,

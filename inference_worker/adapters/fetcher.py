@@ -30,13 +30,12 @@ class AdapterSource(Protocol):
 
 
 class Installer(Protocol):
-    """What a finished fetch is handed to (the adapter pool): `prepare` (a worker thread, off the
-    event loop) raises when the payload does not fit this worker, else returns the form the CPU
-    tier keeps; `generation` and `install` run with the state lock held."""
+    """What a finished fetch is handed to (the adapter pool): `check` (any thread) raises when the
+    payload does not fit this worker; `generation` and `install` run with the state lock held."""
 
     def generation(self, adapter_id: str) -> int: ...
 
-    def prepare(self, payload: AdapterPayload) -> AdapterPayload: ...
+    def check(self, payload: AdapterPayload) -> None: ...
 
     def install(self, payload: AdapterPayload, generation: int) -> bool: ...
 
@@ -114,16 +113,15 @@ class AdapterFetcher:
             for _ in range(MAX_STALE_RETRIES):
                 with self._lock:
                     generation = self._installer.generation(ref.adapter_id)
-                fetched = await self.source.fetch(ref.adapter_id, ref.digest)
-                nbytes = fetched.nbytes
-                # packing copies tens of MB: not on the event loop
-                payload = await asyncio.to_thread(self._installer.prepare, fetched)
-                del fetched  # its buffer may go back to the host buffer pool now
+                payload = await self.source.fetch(ref.adapter_id, ref.digest)
+                self._installer.check(payload)
                 with self._lock:
                     if self._installer.install(payload, generation):
                         seconds = time.perf_counter() - t0
                         self.metrics.observe_load("cpu", ref.adapter_id, seconds)
-                        tracing.annotate({"loraserve.load_ms": seconds * 1e3, "loraserve.bytes": nbytes})
+                        tracing.annotate(
+                            {"loraserve.load_ms": seconds * 1e3, "loraserve.bytes": payload.nbytes}
+                        )
                         return payload.key
             raise DependencyUnavailable(
                 f"adapter {ref.adapter_id!r} kept changing at the store while fetching"

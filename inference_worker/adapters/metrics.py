@@ -47,13 +47,6 @@ class AdapterMetrics:
             ["result"],
             registry=reg,
         )
-        self.host_buffers = Counter(
-            "loraserve_worker_adapter_host_buffers",
-            "Host buffers taken for adapter payloads (fetches and their packed form): hit = reused "
-            "from the pool, miss = newly allocated (pinned on CUDA hosts).",
-            ["result"],
-            registry=reg,
-        )
         self.slots_used = Gauge(
             "loraserve_worker_adapter_slots_used", "GPU adapter slots holding an adapter.", registry=reg
         )
@@ -85,7 +78,6 @@ class AdapterMetrics:
             self.evictions,
             self.invalidations,
             self.lookups,
-            self.host_buffers,
             self.slots_used,
             self.slots_total,
             self.slots_pinned,

@@ -40,7 +40,6 @@ from loraserve.inference_worker.errors import (
     AdapterSlotsExhausted,
     DependencyUnavailable,
 )
-from loraserve.inference_worker.lora.host_buffers import HostBufferPool
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.inference_worker.lora.slots import LoRASlots, SlotLoadError
 
@@ -56,16 +55,10 @@ class AdapterPool:
         max_cpu_bytes: int,
         worker_id: str = "worker",
         metrics: AdapterMetrics | None = None,
-        buffers: HostBufferPool | None = None,
     ) -> None:
         self.lock = threading.RLock()
         self.slots = slots
         self.metrics = metrics if metrics is not None else AdapterMetrics()
-        host_buffers = self.metrics.host_buffers
-        # fetch buffers and packed payloads; as many idle bytes as an eighth of the CPU tier
-        self.buffers = buffers or HostBufferPool(
-            min(max_cpu_bytes // 8, 1 << 30), count=lambda result: host_buffers.labels(result).inc()
-        )
         self.worker_id = worker_id
         self.publisher = ResidencyPublisher(coordinator, worker_id, self.lock, self._residency)
         self.tiers = AdapterTiers(
@@ -157,16 +150,11 @@ class AdapterPool:
     def generation(self, adapter_id: str) -> int:
         return self.versions.generation(adapter_id)
 
-    def prepare(self, payload: AdapterPayload) -> AdapterPayload:
-        """The payload packed for the slots, in a pooled host buffer that returns to the pool
-        once the packed payload is gone; AdapterMismatch when it does not fit this worker."""
+    def check(self, payload: AdapterPayload) -> None:
         try:
-            packed = self.slots.pack(payload, self.buffers.take)
+            self.slots.check(payload)
         except SlotLoadError as exc:
             raise AdapterMismatch(f"adapter {payload.adapter_id!r} does not fit this worker: {exc}") from None
-        if packed is not payload:
-            self.buffers.adopt(packed, packed.data, packed.reads)
-        return packed
 
     def install(self, payload: AdapterPayload, generation: int) -> bool:
         """Put a fetched payload in the CPU tier unless an invalidation seen during the fetch

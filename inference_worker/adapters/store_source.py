@@ -25,7 +25,6 @@ from loraserve.inference_worker.errors import (
     InvalidRequest,
     WorkerError,
 )
-from loraserve.inference_worker.lora.host_buffers import HostBufferPool
 from loraserve.inference_worker.lora.payload import AdapterPayload
 
 if TYPE_CHECKING:
@@ -63,7 +62,6 @@ class StoreSource:
         self._max_fetches = max_fetches
         self._channel: grpc.Channel | None = None
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
-        self.buffers: HostBufferPool | None = None  # where received payloads are written, if set
 
     async def _on_thread(self, call: Callable[[grpc.Channel], T], adapter_id: str = "") -> T:
         """`call(channel)` on a fetch thread; its gRPC errors become adapter failures."""
@@ -100,7 +98,6 @@ class StoreSource:
             max_retries=self._max_retries,
             timeout=self._timeout_s,
             metadata=metadata,
-            allocate=self.buffers.take if self.buffers is not None else None,
         )
         try:
             fetched = await self._on_thread(run, adapter_id)
@@ -115,12 +112,9 @@ class StoreSource:
             PayloadTensor(t.name, tuple(int(s) for s in t.shape), t.dtype, int(t.offset), int(t.nbytes))
             for t in m.tensors
         ]
-        payload = AdapterPayload(
+        return AdapterPayload(
             m.adapter.adapter_id or adapter_id, m.digest, int(m.rank), fetched.buffer, tensors
         )
-        if self.buffers is not None:
-            self.buffers.adopt(payload, payload.data, payload.reads)
-        return payload
 
     async def digests(self) -> dict[str, str]:
         """adapter id -> digest of everything registered (ListAdapters, all pages)."""

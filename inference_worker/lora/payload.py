@@ -1,7 +1,5 @@
 """An optimized adapter payload held by the worker (docs/adapter-layout.md): one flat byte
-buffer — pinned when CUDA is present — plus the manifest's tensor table. Once packed for the
-slots (`LoRASlots.pack`), the bytes are in the slot-shaped layout `packed` names (lora/packed.py)
-and the table only describes the store's tensors (names, shapes, dtypes), not where they lie."""
+buffer — pinned when CUDA is present — plus the manifest's tensor table."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.contract.payload import TORCH_DTYPES, PayloadTensor
-from loraserve.inference_worker.lora.packed import PackedLayout
 
 _NAME = re.compile(r"layers\.(\d+)\.(qkv|o|gate_up|down)\.(lora_a|lora_b)")
 
@@ -39,10 +36,7 @@ class AdapterPayload:
     rank: int
     data: torch.Tensor  # [total_bytes] uint8, contiguous (pinned on CUDA hosts)
     tensors: list[PayloadTensor]
-    packed: PackedLayout | None = None  # data's layout when packed for the slots; None: the store's
-    # CUDA events recorded after each non-blocking copy from data (a pooled buffer waits for them)
-    reads: list = field(default_factory=list, repr=False, compare=False)
-    slot_form: AdapterPayload | None = field(default=None, repr=False, compare=False)  # LoRASlots' cache
+    copy_plan: list | None = field(default=None, repr=False, compare=False)  # LoRASlots' cache
 
     @property
     def key(self) -> str:
@@ -53,9 +47,6 @@ class AdapterPayload:
         return int(self.data.numel())
 
     def view(self, t: PayloadTensor, data: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor `t` as a typed view into `data` (default: this payload's bytes, which must be
-        in the store's layout)."""
-        if data is None and self.packed is not None:
-            raise ValueError(f"adapter {self.adapter_id}'s bytes are packed for the slots")
+        """The tensor `t` as a typed view into `data` (default: this payload's bytes)."""
         buf = self.data if data is None else data
         return buf[t.offset : t.offset + t.nbytes].view(torch_dtype(t)).view(t.shape)

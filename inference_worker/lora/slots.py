@@ -7,23 +7,21 @@ sized once at start-up, plus each slot's rank per (layer, group).
     b[layer][group] = b_all[group][layer]   [max_loras, out_total, max_rank]
     ranks         [num_layers, num_groups, max_loras] int32 (0 = group not targeted / slot empty)
 
-Filling a slot copies a payload packed for the slots (`pack`, lora/packed.py: per group the A of
-every layer, then the B of every layer, padded to the group's largest rank, in the slots' dtype,
-then the ranks), built once per fetched payload off the step thread. On CUDA: one async
-host-to-device copy of the whole pinned packed payload into a staging buffer, then one
-device-side strided copy per (group, A|B) whatever the ranks of the layers, and one of the ranks,
-all on the caller's current stream, so the step that first reads the slot is ordered after it; an
-event recorded after the host-to-device copy tells the payload's (pooled) host buffer when it is
-read. Entries past a slot's rank are never read by the kernels, so nothing is cleared on eviction.
+Filling a slot copies an optimized payload (loraserve/contract/adapter_layout.py) with no transform. On CUDA:
+one async host-to-device copy of the whole pinned payload into a staging buffer, then a few
+device-side strided copies — one per (group, A|B) for the usual adapter whose tensors repeat with
+a fixed stride across consecutive layers, since buffers of one group are stacked over layers —
+all on the caller's current stream, so the step that first reads the slot is ordered after it.
+Entries past a slot's rank are never read by the kernels, so nothing is cleared on eviction.
 
 Under tensor parallelism (`shard`), each rank's buffers hold its shard as S-LoRA lays it out:
 column-parallel groups (qkv, gate_up) keep A whole and the rank's rows of B, row-parallel ones
-(o, down) the rank's input columns of A and B whole (parallel/shard.py). The packed payload is the same
-for every TP size: the copy reads the rank's part through strided views of the staged payload,
-once, into the slot (B rows of one size at one spacing, such as gate|up, in one copy).
+(o, down) the rank's input columns of A and B whole (parallel/shard.py). The payload stays the
+store's one layout for every TP size: the copy reads the rank's part through strided views of the
+staged payload, once, into the slot.
 
 A payload should arrive in the slots' dtype (the store's --serving-dtype equal to the worker's
---dtype). Otherwise packing converts it, explicitly and with a warning naming both dtypes, where
+--dtype). Otherwise the copy converts it, explicitly and with a warning naming both dtypes, where
 it cannot overflow: from float32 (the store folds the scale in float32, so this rounds exactly as
 the store would have) or into float32 / bfloat16. Into float16 from a wider range it is refused.
 """
@@ -31,14 +29,12 @@ the store would have) or into float32 / bfloat16. Into float16 from a wider rang
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from loraserve.contract.adapter_layout import GROUPS, group_dims
 from loraserve.contract.payload import PayloadTensor
-from loraserve.inference_worker.lora.packed import PackedLayout
 from loraserve.inference_worker.lora.payload import AdapterPayload, parse_name, torch_dtype
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.parallel.shard import Range, TensorShard
@@ -52,12 +48,18 @@ class SlotLoadError(ValueError):
 
 
 @dataclass(frozen=True)
-class ParsedTensor:
-    layer: int
+class CopyRun:
+    """Tensors of one (group, A|B) and shape at consecutive layers first_layer.. and payload
+    offsets offset, offset + stride, ...: one strided copy."""
+
     group: str
     which: str  # "lora_a" | "lora_b"
-    rank: int
-    entry: PayloadTensor
+    first_layer: int
+    num_layers: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes
+    stride: int  # bytes between consecutive layers' tensors
 
 
 class LoRASlots:
@@ -105,11 +107,6 @@ class LoRASlots:
         self.a = [{g.name: self.a_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.b = [{g.name: self.b_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.ranks = torch.zeros(n, len(GROUPS), max_loras, dtype=torch.int32, device=self.device)
-        # group -> (slices, in, out) of a payload's tensors (the whole model's)
-        self._payload_dims = {
-            g.name: (len(self.out_sizes[g.name]), self.payload_in[g.name], self.payload_out[g.name])
-            for g in GROUPS
-        }
 
     @staticmethod
     def bytes_needed(hf_config: dict, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
@@ -126,20 +123,19 @@ class LoRASlots:
 
     def check(self, payload: AdapterPayload) -> None:
         """Raise SlotLoadError unless every tensor of `payload` fits these buffers."""
-        if payload.packed is not None:
-            self._check_packed(payload)
-        else:
-            self._parse(payload)
-            self._check_dtypes(payload, warn=False)
+        self._plan(payload)
 
-    def _parse(self, payload: AdapterPayload) -> list[ParsedTensor]:
-        """The payload's tensors, validated against these buffers (store layout)."""
+    def _plan(self, payload: AdapterPayload) -> tuple[list[CopyRun], torch.Tensor]:
+        """(copy runs, ranks [num_layers, num_groups]) of a payload, validated; cached on it."""
+        if payload.copy_plan is not None:
+            return payload.copy_plan  # type: ignore[return-value]
         if payload.rank > self.max_rank:
             raise SlotLoadError(
                 f"adapter {payload.adapter_id} has rank {payload.rank}, "
                 f"over this worker's max_lora_rank {self.max_rank}"
             )
-        parsed: list[ParsedTensor] = []
+        ranks = torch.zeros(self.num_layers, len(GROUPS), dtype=torch.int32)
+        parsed: list[tuple[str, str, tuple[int, ...], int, PayloadTensor]] = []
         for t in payload.tensors:
             try:
                 layer, group, which = parse_name(t)
@@ -171,69 +167,42 @@ class LoRASlots:
                 or t.offset + t.nbytes > payload.nbytes
             ):
                 raise SlotLoadError(f"tensor {t.name} lies outside the payload or is misaligned")
-            parsed.append(ParsedTensor(layer, group, which, rank, t))
-        return parsed
-
-    def _check_packed(self, payload: AdapterPayload) -> None:
-        layout = payload.packed
-        assert layout is not None
-        dims = self._payload_dims
-        if (
-            layout.dtype != self.dtype
-            or layout.num_layers != self.num_layers
-            or payload.nbytes < layout.nbytes
-            or any(
-                (b.num_slices, b.in_features, b.out_total) != dims[b.group]
-                or not 1 <= b.rank <= self.max_rank
-                for b in layout.blocks
-            )
-        ):
-            raise SlotLoadError(f"adapter {payload.adapter_id} was packed for other slot buffers")
-
-    def pack(
-        self, payload: AdapterPayload, allocate: Callable[[int], torch.Tensor] | None = None
-    ) -> AdapterPayload:
-        """The payload in the slot-shaped layout (lora/packed.py), in these buffers' dtype, in
-        memory from `allocate(nbytes)` (default: new, pinned on CUDA hosts); validated first
-        (SlotLoadError). A payload already packed is returned as it is."""
-        if payload.packed is not None:
-            self._check_packed(payload)
-            return payload
-        parsed = self._parse(payload)
+            if which == "lora_a":
+                ranks[layer, GROUP_INDEX[group]] = rank
+            parsed.append((group, which, tuple(t.shape), layer, t))
         self._check_dtypes(payload)
-        group_ranks: dict[str, int] = {}
-        for p in parsed:
-            group_ranks[p.group] = max(group_ranks.get(p.group, 0), p.rank)
-        layout = PackedLayout.plan(self.dtype, self.num_layers, self._payload_dims, group_ranks)
-        if allocate is None:
-            data = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        else:
-            data = allocate(layout.nbytes)
-        ranks = layout.ranks_view(data)
-        ranks.zero_()
-        full: dict[tuple[str, str], int] = {}  # (group, which) -> layers written at the group's rank
-        for p in parsed:
-            full[p.group, p.which] = full.get((p.group, p.which), 0) + (p.rank == group_ranks[p.group])
-        for blk in layout.blocks:
-            for which, view in (("lora_a", layout.a_view), ("lora_b", layout.b_view)):
-                if full.get((blk.group, which), 0) < self.num_layers:  # padding or absent layers
-                    view(data, blk).zero_()
-        views = {b.group: (layout.a_view(data, b), layout.b_view(data, b)) for b in layout.blocks}
-        for p in parsed:
-            src = payload.view(p.entry)
-            a, b = views[p.group]
-            if p.which == "lora_a":
-                a[p.layer, :, : p.rank].copy_(src)
-                ranks[p.layer, GROUP_INDEX[p.group]] = p.rank
+        runs: list[CopyRun] = []
+        parsed.sort(key=lambda p: (p[0], p[1], p[2], str(p[4].dtype), p[3]))
+        for group, which, shape, layer, t in parsed:
+            last = runs[-1] if runs else None
+            if (
+                last is not None
+                and (last.group, last.which, last.shape, last.dtype) == (group, which, shape, torch_dtype(t))
+                and layer == last.first_layer + last.num_layers
+                and (last.num_layers == 1 or t.offset == last.offset + last.num_layers * last.stride)
+                and t.offset > last.offset
+            ):
+                stride = t.offset - last.offset if last.num_layers == 1 else last.stride
+                runs[-1] = CopyRun(
+                    group,
+                    which,
+                    last.first_layer,
+                    last.num_layers + 1,
+                    shape,
+                    last.dtype,
+                    last.offset,
+                    stride,
+                )
             else:
-                b[p.layer, :, : p.rank].copy_(src)
-        return AdapterPayload(
-            payload.adapter_id, payload.digest, payload.rank, data, payload.tensors, packed=layout
-        )
+                runs.append(CopyRun(group, which, layer, 1, shape, torch_dtype(t), t.offset, 0))
+        if self.device.type == "cuda":  # pinned: the slot's rank row is copied without a host sync
+            ranks = ranks.pin_memory()
+        payload.copy_plan = [runs, ranks]
+        return runs, ranks
 
-    def _check_dtypes(self, payload: AdapterPayload, warn: bool = True) -> None:
-        """Refuse a conversion that could overflow; warn (when packing: once per payload) of any
-        other."""
+    def _check_dtypes(self, payload: AdapterPayload) -> None:
+        """Refuse a conversion that could overflow; warn (once per payload: plans are cached) of
+        any other."""
         others = sorted(
             {str(torch_dtype(t)).removeprefix("torch.") for t in payload.tensors} - {self._dtype_name}
         )
@@ -245,67 +214,66 @@ class LoRASlots:
                 f"adapter {payload.adapter_id} was optimized as {', '.join(others)} but this worker computes "
                 f"in float16, which cannot hold its range; {fix}"
             )
-        if warn:
-            log.warning(
-                "adapter %s was optimized as %s; converting it to this worker's %s (%s)",
-                payload.adapter_id,
-                ", ".join(others),
-                self._dtype_name,
-                fix,
-            )
+        log.warning(
+            "adapter %s was optimized as %s; converting it to this worker's %s (%s)",
+            payload.adapter_id,
+            ", ".join(others),
+            self._dtype_name,
+            fix,
+        )
 
     @property
     def _dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
     def load(self, slot: int, payload: AdapterPayload) -> None:
-        """Copy `payload` into `slot` (asynchronously on CUDA, on the current stream). A payload in
-        the store's layout is packed first, once (the packed form is kept on it)."""
+        """Copy `payload` into `slot` (asynchronously on CUDA, on the current stream)."""
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
-        if payload.packed is None:
-            if payload.slot_form is None:
-                payload.slot_form = self.pack(payload)
-            payload = payload.slot_form
-        else:
-            self._check_packed(payload)
-        layout = payload.packed
-        assert layout is not None
+        runs, ranks = self._plan(payload)
         data = payload.data
         if self.device.type == "cuda" and data.device.type != "cuda":
-            staged = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-            pinned = data.is_pinned()
-            staged.copy_(data[: layout.nbytes], non_blocking=pinned)
-            if pinned:  # the host buffer may be reused only once this copy has read it
-                payload.reads[:] = [e for e in payload.reads if not e.query()]
-                event = torch.cuda.Event()
-                event.record()
-                payload.reads.append(event)
+            staged = torch.empty(payload.nbytes, dtype=torch.uint8, device=self.device)
+            staged.copy_(data, non_blocking=data.is_pinned())
             data = staged
-        for blk in layout.blocks:
-            r = blk.rank
-            a, b = layout.a_view(data, blk), layout.b_view(data, blk)
-            if self.shard_ranges is None:
-                self.a_all[blk.group][:, slot, :, :r].copy_(a, non_blocking=True)
-                self.b_all[blk.group][:, slot, :, :r].copy_(b, non_blocking=True)
-            else:
-                self._copy_shard(blk.group, a, b, slot)
-        self.ranks[:, :, slot].copy_(layout.ranks_view(data), non_blocking=True)
-
-    def _copy_shard(self, group: str, a: torch.Tensor, b: torch.Tensor, slot: int) -> None:
-        # a: [layers, slices, r, in], b: [layers, out, r] of the whole model: this rank's part of each
-        assert self.shard_ranges is not None
-        rows, (c0, nc) = self.shard_ranges[group]
-        r = a.shape[2]
-        self.a_all[group][:, slot, :, :r].copy_(a[..., c0 : c0 + nc], non_blocking=True)
-        dst = self.b_all[group][:, slot, :, :r]  # [layers, out on this rank, r]
-        off = 0
-        for r0, n, k, step in row_runs(rows):  # k ranges of n rows, `step` rows apart: one copy
-            src = b.as_strided(
-                (b.shape[0], k, n, r), (b.stride(0), step * r, r, 1), b.storage_offset() + r0 * r
+        for run in runs:
+            size = run.dtype.itemsize
+            elems = (
+                data.view(run.dtype)
+                if data.numel() % size == 0
+                else data[: data.numel() // size * size].view(run.dtype)
             )
-            dst[:, off : off + k * n].unflatten(1, (k, n)).copy_(src, non_blocking=True)
-            off += k * n
+            inner = [1]
+            for d in reversed(run.shape[1:]):
+                inner.insert(0, inner[0] * d)
+            src = elems.as_strided(
+                (run.num_layers, *run.shape),
+                (run.stride // size, *inner),
+                elems.storage_offset() + run.offset // size,
+            )
+            r = run.shape[1]
+            layers = slice(run.first_layer, run.first_layer + run.num_layers)
+            if self.shard_ranges is not None:
+                self._copy_shard(run, src, layers, slot)
+            elif run.which == "lora_a":
+                self.a_all[run.group][layers, slot, :, :r, :].copy_(src, non_blocking=True)
+            else:
+                self.b_all[run.group][layers, slot, :, :r].copy_(src, non_blocking=True)
+        self.ranks[:, :, slot].copy_(ranks, non_blocking=True)
+
+    def _copy_shard(self, run: CopyRun, src: torch.Tensor, layers: slice, slot: int) -> None:
+        # src: a run's whole tensors, [layers, slices, r, in] (A) or [layers, out, r] (B)
+        assert self.shard_ranges is not None
+        rows, (c0, nc) = self.shard_ranges[run.group]
+        r = run.shape[1]
+        if run.which == "lora_a":
+            self.a_all[run.group][layers, slot, :, :r, :].copy_(src[..., c0 : c0 + nc], non_blocking=True)
+            return
+        dst = self.b_all[run.group][layers, slot]  # [layers, out on this rank, R]
+        off = 0
+        for r0, n in rows:
+            dst[:, off : off + n, :r].copy_(src[:, r0 : r0 + n], non_blocking=True)
+            off += n
 
     def clear(self, slot: int) -> None:
         """Mark `slot` empty (rank 0 everywhere): rows pointing at it get no delta."""
@@ -314,17 +282,3 @@ class LoRASlots:
     def group_ranks(self, layer: int, group: str) -> torch.Tensor:
         """[max_loras] int32 view of the ranks of one (layer, group)."""
         return self.ranks[layer, GROUP_INDEX[group]]
-
-
-def row_runs(rows: list[Range]) -> list[tuple[int, int, int, int]]:
-    """(first row, rows per range, ranges, step between starts) of consecutive row ranges of one
-    size at one spacing, e.g. the gate and up rows of a TP rank: one strided copy each."""
-    runs: list[tuple[int, int, int, int]] = []
-    for r0, n in rows:
-        if runs:
-            f, m, k, step = runs[-1]
-            if m == n and (k == 1 or r0 == f + k * step) and r0 > f:
-                runs[-1] = (f, m, k + 1, r0 - f if k == 1 else step)
-                continue
-        runs.append((r0, n, 1, 0))
-    return runs

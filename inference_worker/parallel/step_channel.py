@@ -17,9 +17,8 @@ Rank 0 waits for each message to be taken at most `send_timeout` (a follower tha
 step instead of holding rank 0 forever); a follower waits for the next header for as long as the
 worker is idle.
 
-Adapter payloads travel whole (packed for the slots, or the store's layout; the same for every TP
-size), the packed layout in the manifest; each follower copies its shard into the slot as rank 0
-does (lora/slots.py).
+Adapter payloads travel whole (the store's layout, the same for every TP size); each follower
+copies its shard into the slot as rank 0 does (lora/slots.py).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ import torch.distributed as dist
 
 from loraserve.contract.payload import PayloadTensor
 from loraserve.inference_worker.engine.step_plan import StepPlan
-from loraserve.inference_worker.lora.packed import PackedLayout
 from loraserve.inference_worker.lora.payload import AdapterPayload
 
 HEADER = 12
@@ -101,7 +99,6 @@ class StepChannel:
                 "digest": payload.digest,
                 "rank": payload.rank,
                 "tensors": [[t.name, list(t.shape), t.dtype, t.offset, t.nbytes] for t in payload.tensors],
-                "packed": payload.packed.to_json() if payload.packed is not None else None,
             }
         ).encode()
         self._header(Kind.LOAD, slot, len(manifest), payload.nbytes)
@@ -133,14 +130,8 @@ class StepChannel:
             tensors = [
                 PayloadTensor(n, tuple(shape), dt, off, nb) for n, shape, dt, off, nb in manifest["tensors"]
             ]
-            packed = manifest.get("packed")
             payload = AdapterPayload(
-                manifest["adapter_id"],
-                manifest["digest"],
-                manifest["rank"],
-                data,
-                tensors,
-                packed=PackedLayout.from_json(packed) if packed is not None else None,
+                manifest["adapter_id"], manifest["digest"], manifest["rank"], data, tensors
             )
             return Message(kind, slot=slot, payload=payload)
         if kind == Kind.CLEAR:
