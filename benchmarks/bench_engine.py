@@ -20,6 +20,7 @@ import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,6 +81,15 @@ def copy_bandwidth(device: torch.device) -> float:
     bw = 2 * src.numel() * n / (time.perf_counter() - t0)
     del src, dst
     return bw
+
+
+def per_call(fn: Callable[[], object]) -> float:
+    """Seconds per call of `fn` over STEPS calls, the device drained after them."""
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / STEPS
 
 
 def config(name: str) -> ModelConfig:
@@ -164,25 +174,13 @@ def bench_model(
         graph = engine.runner.graphs[bucket]
         step_times, replay_times, sync_times = [], [], []
         for _ in range(REPS):
-            t0 = time.perf_counter()
-            for _ in range(STEPS):
-                engine.step()
-            torch.cuda.synchronize()
-            step_times.append((time.perf_counter() - t0) / STEPS)
+            step_times.append(per_call(engine.step))
             # the same steps with each step's tokens read back before the next is planned
             engine.set_async_scheduling(False)
-            t0 = time.perf_counter()
-            for _ in range(STEPS):
-                engine.step()
-            torch.cuda.synchronize()
-            sync_times.append((time.perf_counter() - t0) / STEPS)
+            sync_times.append(per_call(engine.step))
             engine.set_async_scheduling(True)
             # graph replay alone (no host work): the GPU time of one step
-            t0 = time.perf_counter()
-            for _ in range(STEPS):
-                graph.replay()
-            torch.cuda.synchronize()
-            replay_times.append((time.perf_counter() - t0) / STEPS)
+            replay_times.append(per_call(graph.replay))
         step_s, replay_s = statistics.median(step_times), statistics.median(replay_times)
         sync_s = statistics.median(sync_times)
         if profile and b == 1:

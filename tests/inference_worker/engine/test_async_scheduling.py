@@ -14,15 +14,7 @@ from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutp
 from loraserve.inference_worker.model.loader import load_tokenizer
 from tests.helpers.engine_run import completions
 from tests.helpers.workers import make_engine
-
-PROMPTS = [
-    "Hello world.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Once",
-    "Each worker keeps the most recently used adapters in GPU slots and the rest in a CPU cache.",
-    "0123456789 + - * /",
-    "loraserve serves many low-rank adapters",
-]
+from tests.inference_worker.engine.test_engine import PROMPTS
 
 
 def run(
