@@ -6,15 +6,7 @@ model, samples, and hands each request's `RequestOutput` to its `on_output` call
 forwards it to the loop with `call_soon_threadsafe`). A cancelled request or an expired deadline is
 removed before the next step and its KV blocks return to the pool at once.
 
-Asynchronous scheduling (on CUDA by default): step N + 1 is scheduled, planned and launched while
-step N still runs on the device, and only then are step N's tokens read back, appended, detokenized
-and sent (while step N + 1 runs). A decoding sequence whose last token is still on the device takes
-it as input there (`Sequence.num_pending`, `StepPlan.gather`); its random draw counts that token.
-A sequence that step N ends (EOS, a stop string) has run one step for nothing, whose token is
-dropped; one that step N ends by length is not scheduled again. The device runs the steps in
-order, so KV blocks and adapter slots that a finished sequence releases are reused only after the
-step still running for it. Without it (CPU, a tensor-parallel leader) a step's tokens are read back
-before the next step is planned.
+With asynchronous scheduling (CUDA) step N + 1 is launched before step N is read back: README item 6.
 """
 
 from __future__ import annotations
@@ -23,7 +15,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
@@ -53,14 +44,6 @@ from loraserve.inference_worker.model.llama import LlamaModel
 __all__ = ["EngineConfig", "LLMEngine"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Launched:
-    """A step whose sampled tokens are still on the device."""
-
-    sample: LaunchedSample
-    seqs: list[Sequence]  # row i of sample.tokens belongs to seqs[i]
 
 
 class LLMEngine:
@@ -117,7 +100,7 @@ class LLMEngine:
         cfg_async = config.async_scheduling
         on_cuda = self.runner.device.type == "cuda"
         self.async_scheduling = not self.runner.sharded and (on_cuda if cfg_async is None else cfg_async)
-        self._inflight: _Launched | None = None  # the launched step not yet read back
+        self._inflight: LaunchedSample | None = None  # the launched step not yet read back
 
     # --------------------------------------------------------------------- any thread
     @property
@@ -224,12 +207,8 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while (
-                    not self._stop
-                    and not self._inbox
-                    and not self._aborts
-                    and not self.scheduler.has_work
-                    and self._inflight is None
+                while not (
+                    self._stop or self._inbox or self._aborts or self.scheduler.has_work or self._inflight
                 ):
                     self._wake.wait()
                 if self._stop:
@@ -296,7 +275,7 @@ class LLMEngine:
             self._process_text()
             return True
         # asynchronous on CUDA; decode rows with a token still on the device read it there
-        logits, seqs = self.runner.execute(sched, prev.sample.tokens if prev is not None else None)
+        logits, seqs = self.runner.execute(sched, prev.tokens if prev is not None else None)
         for seq, n in sched.prefills:
             seq.num_computed_tokens += n
             self.num_prefill_tokens += n
@@ -306,7 +285,7 @@ class LLMEngine:
             # detokenize, check stop strings and emit the previous step's tokens while the GPU runs
             self._process_text()
         logits, seqs = self.forker.fork(logits, seqs)
-        launched = _Launched(self.sampler.launch(logits, seqs), seqs)
+        launched = self.sampler.launch(logits, seqs)
         for i, seq in enumerate(seqs):
             seq.num_pending += 1
             seq.pending_row = i
@@ -328,9 +307,9 @@ class LLMEngine:
             )
         return True
 
-    def _complete(self, launched: _Launched) -> None:
+    def _complete(self, launched: LaunchedSample) -> None:
         """Read a launched step's tokens back (waits for the device) and append them."""
-        sampled = self.sampler.finish(launched.sample)
+        sampled = self.sampler.finish(launched)
         now = time.monotonic()
         for seq, tok, lp in zip(launched.seqs, sampled.token_ids, sampled.logprobs, strict=True):
             seq.num_pending -= 1

@@ -71,7 +71,7 @@ class LaunchedSample:
     """One step's sampling, queued on the device and not yet read back (`Sampler.finish`)."""
 
     tokens: torch.Tensor  # [N] int64 on the device, one per row
-    num_rows: int
+    seqs: list[Sequence]  # row i belongs to seqs[i]
     logprob_rows: list[int]  # rows that asked for logprobs
     top_ks: list[int]  # their top_logprobs
     chosen: torch.Tensor | None = None  # [M] logprob of each such row's token
@@ -154,7 +154,7 @@ class Sampler:
             assert self._counts is not None
             self._counts.add([seqs[i] for i in penalized], tokens[to_device(penalized, x.device)])
         wanted = [i for i in live if seqs[i].params.logprobs]
-        out = LaunchedSample(tokens, len(seqs), wanted, [])
+        out = LaunchedSample(tokens, seqs, wanted, [])
         if wanted:
             self._launch_logprobs(out, logits, [seqs[i] for i in wanted])
         out.start_readback()
@@ -163,7 +163,7 @@ class Sampler:
     @staticmethod
     def finish(launched: LaunchedSample) -> Sampled:
         """Read a launched step's tokens (and logprobs) back to the host: waits for the device."""
-        logprobs: list[TokenLogprob | None] = [None] * launched.num_rows
+        logprobs: list[TokenLogprob | None] = [None] * len(launched.seqs)
         tokens, chosen_t, top_values, top_ids = launched.read()
         token_ids: list[int] = tokens.tolist()
         rows = launched.logprob_rows
