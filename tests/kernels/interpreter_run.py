@@ -89,7 +89,7 @@ def compare_prepare() -> list[str]:
 def slice_limit_before_launch() -> list[str]:
     """add_lora with more slices than the Triton expand handles raises before the shrink runs."""
     from loraserve.kernels import LoRABatch, add_lora
-    from loraserve.kernels.triton_ops import MAX_SLICES
+    from loraserve.kernels.launch_plan import MAX_SLICES
 
     num_slices = MAX_SLICES + 1
     gen = torch.Generator().manual_seed(9)

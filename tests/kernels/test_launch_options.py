@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from loraserve.kernels import LaunchOptions, LoRABatch, launch_options, triton_ops
+from loraserve.kernels import LaunchOptions, LoRABatch, launch_options, launch_plan, triton_ops
 from tests.helpers.triton_compile import record_launches
 
 
@@ -34,9 +34,9 @@ def test_for_device_takes_pdl_only_where_supported(monkeypatch) -> None:
 )
 def test_preload_keeps_tile(max_rank: int, dtype: torch.dtype, keeps: bool) -> None:
     elem = torch.finfo(dtype).bits // 8
-    assert triton_ops.preload_keeps_tile(max_rank, elem) is keeps
-    plain = triton_ops.plan_expand(64, max_rank, elem)
-    preloading = triton_ops.plan_expand(64, max_rank, elem, preload=True)
+    assert launch_plan.preload_keeps_tile(max_rank, elem) is keeps
+    plain = launch_plan.plan_expand(64, max_rank, elem)
+    preloading = launch_plan.plan_expand(64, max_rank, elem, preload=True)
     assert (preloading.block_n == plain.block_n) is keeps
 
 
