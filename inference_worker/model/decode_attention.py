@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.inference_worker.model.paged_inputs import paged_inputs
+
 # Kernel parameters stay unannotated (type: ignore[no-untyped-def]): Triton reads a parameter's
 # annotation as a specialization hint, so a type there would change the compiled kernel.
 
@@ -159,14 +161,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q: [B, nh, d], k_cache/v_cache: [num_blocks, bs, nkv, d], block_tables: [B, max_blocks] int32,
     context_lens: [B] int32 (each >= 1) -> out [B, nh, d]."""
-    b, nh, d = q.shape
+    b, _, d = q.shape
     _, bs, nkv, _ = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
-    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
-    assert d & (d - 1) == 0 and d >= 16, "head_dim must be a power of two >= 16"
-    q = q.contiguous()
-    block_tables = block_tables.contiguous()
-    group = nh // nkv
+    q, block_tables, group, strides = paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     gp = max(16, triton.next_power_of_2(group))
     max_parts = triton.cdiv(block_tables.shape[1] * bs, PART)
     m = torch.empty((b, nkv, max_parts, gp), dtype=torch.float32, device=q.device)
@@ -183,12 +180,7 @@ def paged_decode_attention(
         lsum,
         acc,
         scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
+        *strides,
         m.stride(0),
         m.stride(1),
         m.stride(2),

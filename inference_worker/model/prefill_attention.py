@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.inference_worker.model.paged_inputs import paged_inputs
+
 # Kernel parameters stay unannotated (type: ignore[no-untyped-def]): Triton reads a parameter's
 # annotation as a specialization hint, so a type there would change the compiled kernel.
 
@@ -154,48 +156,29 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         n_full = (pos_lo + 1) // BLOCK_N * BLOCK_N
         n_end = tl.minimum(pos_lo + TOK, ctx)  # one past the tile's last position
         head_off = h * s_kh
-        m, lsum, acc = _attend_keys(
-            q,
-            m,
-            lsum,
-            acc,
-            K,
-            V,
-            bt_row,
-            pos,
-            0,
-            n_full,
-            qk_scale,
-            s_kb,
-            s_ks,
-            head_off,
-            D=D,
-            BS=BS,
-            BLOCK_N=BLOCK_N,
-            CAUSAL=False,
-            IEEE=IEEE,
-        )
-        m, lsum, acc = _attend_keys(
-            q,
-            m,
-            lsum,
-            acc,
-            K,
-            V,
-            bt_row,
-            pos,
-            n_full,
-            n_end,
-            qk_scale,
-            s_kb,
-            s_ks,
-            head_off,
-            D=D,
-            BS=BS,
-            BLOCK_N=BLOCK_N,
-            CAUSAL=True,
-            IEEE=IEEE,
-        )
+        # the keys every row of the tile sees, unmasked; then those across the diagonal, masked
+        for causal in tl.static_range(2):
+            m, lsum, acc = _attend_keys(
+                q,
+                m,
+                lsum,
+                acc,
+                K,
+                V,
+                bt_row,
+                pos,
+                n_full if causal else 0,
+                n_end if causal else n_full,
+                qk_scale,
+                s_kb,
+                s_ks,
+                head_off,
+                D=D,
+                BS=BS,
+                BLOCK_N=BLOCK_N,
+                CAUSAL=causal == 1,
+                IEEE=IEEE,
+            )
         out = acc / lsum[:, None]
         o_off = (q_start + tok)[:, None] * s_ot + (h * GROUP + g)[:, None] * s_oh + offs_d[None, :]
         tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=rmask[:, None])
@@ -225,17 +208,11 @@ def paged_prefill_attention(
     block_tables: [S, max_blocks] int32, context_lens: [S] int32 (each >= its q_len),
     query_start: [S + 1] int32 on q's device (0 .. P) -> out [P, nh, d] (written into `out`
     when given: any row stride, heads and head_dim packed as q's)."""
-    p, nh, d = q.shape
+    p, _, d = q.shape
     _, bs, nkv, _ = k_cache.shape
     s = block_tables.shape[0]
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
-    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
     assert query_start.dtype == torch.int32 and query_start.shape == (s + 1,) and context_lens.shape == (s,)
-    assert d & (d - 1) == 0 and d >= 16, "head_dim must be a power of two >= 16"
-    assert nh % nkv == 0
-    q = q.contiguous()
-    block_tables = block_tables.contiguous()
-    group = nh // nkv
+    q, block_tables, group, strides = paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     gp = triton.next_power_of_2(group)
     block_m, block_n, num_warps = _tile_config(q.dtype, d, gp)
     if out is None:
@@ -252,12 +229,7 @@ def paged_prefill_attention(
         out,
         s,
         scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
+        *strides,
         out.stride(0),
         out.stride(1),
         GROUP=group,
