@@ -80,6 +80,9 @@ def block_m_for(num_tokens: int) -> int:
     return 16 if num_tokens < PREFILL_ROWS else 64
 
 
+# Plans are pure functions of a few ints, asked for by every layer of every step: cached (bounded,
+# since the token count and the workspace's split cap vary with the step's size).
+@functools.lru_cache(maxsize=4096)
 def plan_shrink(
     num_tokens: int,
     num_slices: int,
@@ -89,25 +92,7 @@ def plan_shrink(
     max_split: int,
     num_sms: int,
 ) -> ShrinkPlan:
-    # the token count matters only through the row tile, and max_split only up to its cap: the
-    # cache below then holds a few plans per module shape, whatever the step's size
-    max_split = min(max_split, SHRINK_MAX_SPLIT, MAX_SPLIT_K)
-    return _shrink_plan(
-        block_m_for(num_tokens), num_slices, max_rank, in_features, elem_size, max_split, num_sms
-    )
-
-
-# Plans are pure functions of a few ints: cached, since every layer of every step asks for one.
-@functools.cache
-def _shrink_plan(
-    block_m: int,
-    num_slices: int,
-    max_rank: int,
-    in_features: int,
-    elem_size: int,
-    max_split: int,
-    num_sms: int,
-) -> ShrinkPlan:
+    block_m = block_m_for(num_tokens)
     if block_m == 16:
         # Decode: one slice per column tile, so tiles past a low rank are skipped entirely.
         block_c = min(max(16, _pow2(max_rank)), 128)
@@ -122,7 +107,7 @@ def _shrink_plan(
         block_k = 64
     block_k = max(16, min(block_k * 2 // elem_size, _pow2(in_features)))
     k_blocks = -(-in_features // block_k)
-    max_split = max(1, min(max_split, k_blocks))  # capped by plan_shrink
+    max_split = max(1, min(max_split, SHRINK_MAX_SPLIT, MAX_SPLIT_K, k_blocks))
     stage_bytes = (block_m + block_c) * block_k * elem_size
     smem = SHRINK_SMEM_BYTES if block_m == 16 else PREFILL_SHRINK_SMEM_BYTES
     num_stages = max(1, min(4, smem // stage_bytes))
@@ -140,17 +125,11 @@ def _shrink_plan(
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_expand(
     num_tokens: int, max_rank: int, elem_size: int, *, preload: bool = False, b_vector_loads: bool = True
 ) -> ExpandPlan:
-    # the token count matters only through the row tile (the cache below: a few plans per shape)
-    return _expand_plan(block_m_for(num_tokens), max_rank, elem_size, preload, b_vector_loads)
-
-
-@functools.cache
-def _expand_plan(
-    block_m: int, max_rank: int, elem_size: int, preload: bool, b_vector_loads: bool
-) -> ExpandPlan:
+    block_m = block_m_for(num_tokens)
     single_r = _pow2(max_rank) <= SINGLE_RANK_TILE
     block_r = max(16, _pow2(max_rank)) if single_r else 64
     if block_m == 16:
