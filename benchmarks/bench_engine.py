@@ -3,8 +3,9 @@
 Builds Llama-3.2-1B- and Llama-3-8B-shaped models with random bf16 weights directly on the GPU (no
 files), then for each decode batch size B: B requests with PROMPT_LEN-token prompts are prefilled,
 and STEPS decode steps are timed through `LLMEngine.step()` (scheduling, CUDA-graph replay,
-sampling, detokenization: what a served request pays), with asynchronous scheduling (the default on
-CUDA) and, interleaved in each round, without it. The roofline time of one decode step is
+sampling, detokenization: what a served request pays) with the worker's settings (asynchronous
+scheduling, its garbage-collector tuning) and, interleaved in each round, without asynchronous
+scheduling and with Python's default garbage collector. The roofline time of one decode step is
 (weight bytes + KV bytes of all contexts) / device-to-device copy bandwidth, the bandwidth measured
 here with a large torch copy (read + write bytes / time).
 
@@ -33,6 +34,7 @@ from loraserve.inference_worker.engine.sequence import SamplingParams
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.inference_worker.model.tiny import word_tokenizer
+from loraserve.serving.gc_tuning import python_default_gc, tune_gc
 
 SHAPES = {
     "llama-3.2-1b": dict(
@@ -64,6 +66,7 @@ SHAPES = {
 PROMPT_LEN = 128
 STEPS = 32
 REPS = 5  # rounds of [STEPS engine steps; STEPS replays of the same step's graph], interleaved
+RUNS = 3  # engine step runs a round: asynchronous, synchronous, Python's default GC
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -129,7 +132,7 @@ def bench_model(
     model = LlamaModel(cfg, torch.bfloat16, device)
     model.init_random(seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    block_size, max_len = 16, 512
+    block_size, max_len = 16, 640
     max_b = max(batches)
     num_blocks = max_b * (max_len // block_size) + 1
     t0 = time.perf_counter()
@@ -160,7 +163,7 @@ def bench_model(
                     f"{name}-{b}-{i}",
                     "",
                     ids,
-                    SamplingParams(max_tokens=2 * REPS * STEPS + 8, ignore_eos=True),
+                    SamplingParams(max_tokens=RUNS * REPS * STEPS + 8, ignore_eos=True),
                     outs[i].append,
                 )
             )
@@ -172,20 +175,23 @@ def bench_model(
         ctx = [s.num_tokens for s in engine.scheduler.running]
         bucket = next(k for k in sorted(engine.runner.graphs) if k >= b)
         graph = engine.runner.graphs[bucket]
-        step_times, replay_times, sync_times = [], [], []
+        tune_gc()  # as the worker does once it is up
+        step_times, replay_times, sync_times, gc_times = [], [], [], []
         for _ in range(REPS):
             step_times.append(per_call(engine.step))
             # the same steps with each step's tokens read back before the next is planned
             engine.set_async_scheduling(False)
             sync_times.append(per_call(engine.step))
             engine.set_async_scheduling(True)
+            with python_default_gc():
+                gc_times.append(per_call(engine.step))
             # graph replay alone (no host work): the GPU time of one step
             replay_times.append(per_call(graph.replay))
         step_s, replay_s = statistics.median(step_times), statistics.median(replay_times)
-        sync_s = statistics.median(sync_times)
+        sync_s, gc_s = statistics.median(sync_times), statistics.median(gc_times)
         if profile and b == 1:
             print_kernel_profile(graph, name)
-        kv_bytes = sum(c + REPS * STEPS for c in ctx) * kv_per_token  # contexts at mid-run
+        kv_bytes = sum(c + RUNS * REPS * STEPS // 2 for c in ctx) * kv_per_token  # contexts at mid-run
         roof_s = (weight_bytes + kv_bytes) / bw
         rows.append(
             dict(
@@ -199,6 +205,8 @@ def bench_model(
                 engine_over_replay=step_s / replay_s,
                 sync_ms=sync_s * 1e3,
                 sync_over_replay=sync_s / replay_s,
+                gc_default_ms=gc_s * 1e3,
+                gc_default_over_replay=gc_s / replay_s,
                 roof_ms=roof_s * 1e3,
                 ratio=step_s / roof_s,
                 replay_ratio=replay_s / roof_s,
@@ -238,13 +246,13 @@ def main() -> None:
     lines = [
         f"GPU: {gpu}; torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"Measured device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s (read + write).",
-        f"Random bf16 weights, prompts of {PROMPT_LEN} tokens, CUDA graphs on; {REPS} interleaved rounds of "
-        f"{STEPS} engine steps and {STEPS} graph replays: medians (min-max).",
+        f"Random bf16 weights, prompts of {PROMPT_LEN} tokens, CUDA graphs on, the worker's GC settings; {REPS} "
+        f"interleaved rounds of {STEPS} engine steps each way and {STEPS} graph replays: medians (min-max).",
         "",
         "| model | batch | decode tok/s | step ms (engine) | step ms (graph replay) | engine / replay | "
-        "engine / replay, synchronous scheduling | "
+        "engine / replay, synchronous scheduling | engine / replay, Python's default GC | "
         "roofline ms | engine / roofline | replay / roofline | weights GB | KV read GB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
@@ -252,6 +260,7 @@ def main() -> None:
             f"({r['step_ms_range'][0]:.2f}-{r['step_ms_range'][1]:.2f}) | {r['replay_ms']:.2f} "
             f"({r['replay_ms_range'][0]:.2f}-{r['replay_ms_range'][1]:.2f}) | {r['engine_over_replay']:.2f}x | "
             f"{r['sync_over_replay']:.2f}x ({r['sync_ms']:.2f} ms) | "
+            f"{r['gc_default_over_replay']:.2f}x ({r['gc_default_ms']:.2f} ms) | "
             f"{r['roof_ms']:.2f} | {r['ratio']:.2f}x | {r['replay_ratio']:.2f}x | {r['weights_gb']:.2f} | "
             f"{r['kv_gb']:.3f} |"
         )

@@ -94,7 +94,7 @@ class Bench:
             return
         a.profile.mkdir(parents=True, exist_ok=True)
         cmd = [spy, "record", "--pid", str(worker.process.pid), "--duration", str(max(1, int(seconds))),
-               "--rate", "100", "--format", "raw", "--threads", "--nonblocking", "--output",
+               "--rate", "100", "--format", "raw", "--threads", "--idle", "--nonblocking", "--output",
                str(a.profile / f"{name}.txt")]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.serving.gc_tuning import DEFAULT_GEN0_THRESHOLD
 from loraserve.serving.settings import SERVER_HELP, config_from_args
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -36,6 +37,8 @@ _HELP = {
     "disk by Triton, so a restart is quick)",
     "async_scheduling": "plan and launch the next step while the device runs the current one, "
     "reading its tokens back after (CUDA, not with tensor parallelism)",
+    "gc_threshold": "allocations between collections of Python's youngest garbage-collector generation "
+    "(Python's own default is 700); what is alive once the worker is up is frozen out of collection",
     "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "
     "interpreter before the step thread gets it back (Python's own default is 5)",
     "tensor_parallel_size": "ranks (one process and GPU each) the model is sharded over; rank 0 serves "
@@ -86,6 +89,7 @@ class WorkerConfig:
     kernel_warmup: bool = True
     async_scheduling: bool = True
     switch_interval_ms: float = 0.5
+    gc_threshold: int = DEFAULT_GEN0_THRESHOLD
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
     max_loras: int = 4
@@ -134,6 +138,7 @@ class WorkerConfig:
             "max_lora_rank",
             "max_cpu_lora_mb",
             "tensor_parallel_size",
+            "gc_threshold",
         ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")

@@ -35,6 +35,7 @@ from loraserve.inference_worker.model.config import ModelConfigError
 from loraserve.inference_worker.service import InferenceWorkerServicer, dispatch_on
 from loraserve.serving import tracing
 from loraserve.serving.background import BackgroundServer
+from loraserve.serving.gc_tuning import tune_gc
 from loraserve.serving.interceptors import BearerTokenInterceptor, ErrorStatusInterceptor
 from loraserve.serving.logs import configure_logging
 from loraserve.serving.observed_calls import ObservedCallInterceptor
@@ -199,6 +200,7 @@ class BackgroundWorker(BackgroundServer["WorkerServer"]):
 async def serve(config: WorkerConfig) -> int:
     """Serve until drained (SIGTERM, SIGINT: -> 0) or failed (-> 1)."""
     server, port = await start_worker(config)
+    tune_gc(config.gc_threshold)  # process-wide: this process is the worker, now loaded
     # the bound port, whatever the log level (--port 0 picks one)
     print(f"worker {server.config.resolved_worker_id} listening on {config.host}:{port}", flush=True)
     loop = asyncio.get_running_loop()

@@ -74,6 +74,7 @@ class LLMEngine:
             config.max_model_len,
             config.use_cuda_graphs,
             adapters,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.sampler = Sampler()
         self.forker = SiblingForker(self.blocks, self.scheduler, self.policy, self.runner)

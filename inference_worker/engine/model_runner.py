@@ -1,6 +1,14 @@
 """Turns a scheduled batch into one model call: plans the batch on the host (`StepPlan`), builds
-the `ForwardBatch`, owns the paged KV cache (allocated once), and replays CUDA graphs for
-decode-only steps at bucketed batch sizes."""
+the `ForwardBatch`, owns the paged KV cache (allocated once), and replays CUDA graphs: for
+decode-only steps at bucketed batch sizes, and for steps with prefill chunks at bucketed token
+counts.
+
+A step with prefill chunks runs, on CUDA, as prefill segments only: each decode row is a segment
+of one token, so one paged-prefill launch per layer attends for every row and the step's shape is
+its token and segment counts alone. Padded to a bucket (tokens that belong to no segment, segments
+of no tokens), such a step replays a captured graph instead of launching each kernel from Python;
+larger steps, and those of a tensor-parallel leader, run eagerly.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +16,19 @@ import logging
 
 import torch
 
+from loraserve.inference_worker.engine.cuda_graphs import StepGraphs
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import Sequence
 from loraserve.inference_worker.engine.step_plan import LoRABatchSource, StepPlan
 from loraserve.inference_worker.engine.transfer import tensor_to_device, to_device
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.llama import LlamaModel
-from loraserve.kernels import LoRABatch
 
 log = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# token counts of the graphs for steps with prefill chunks (capped by the step's token budget)
+MIXED_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048)
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -40,8 +50,10 @@ class ModelRunner:
         max_model_len: int,
         use_cuda_graphs: bool,
         adapters: LoRABatchSource | None = None,
+        max_num_batched_tokens: int = MIXED_GRAPH_TOKENS[-1],
     ) -> None:
         self.model, self.device = model, model.device
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
@@ -57,17 +69,19 @@ class ModelRunner:
 
             for layer in model.layers:
                 layer.self_attn.decode_attention = paged_decode_attention
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # with adapters the graphs carry the LoRA path (LoRABatch.prepare included); base-only
-        # steps replay twins without it
-        self._base_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._graph_lora = adapters is not None
+        # on CUDA, steps with prefill chunks run their decode rows as one-token prefill segments
+        self.unified = self.device.type == "cuda" and not self.sharded
+        self._graphs = StepGraphs(model, adapters, self.max_blocks_per_seq, self.mixed_segments)
         # captured once, by capture_graphs() when the engine starts; until then steps run eagerly
         self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
 
     # ----------------------------------------------------------------------------- batch building
-    def plan(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[StepPlan, list[Sequence]]:
-        """The step's batch on the host (what rank 0 sends a tensor-parallel worker's followers)."""
+    def plan(
+        self, sched: ScheduledBatch, pad_to: int | None, mixed: int | None = None
+    ) -> tuple[StepPlan, list[Sequence]]:
+        """The step's batch on the host (what rank 0 sends a tensor-parallel worker's followers).
+        `pad_to`: a decode-only step padded to that many rows; `mixed`: a step with prefill chunks
+        padded to that many tokens (and min(mixed, max_num_seqs) segments)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -92,24 +106,33 @@ class ModelRunner:
             if start + n == seq.num_tokens:  # the chunk reaches the end: next-token logits needed
                 logits_idx.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        for seq in sched.decodes:  # one token each: the last one, not yet in the cache
-            p, table = seq.num_computed_tokens, seq.block_table
+        decodes = sched.decodes  # one token each: the last one, not yet in the cache
+        first = len(ids)
+        for i, seq in enumerate(decodes):
             if seq.num_pending:  # sampled by the step still running: read on the device
-                gather_dst.append(len(ids))
+                gather_dst.append(first + i)
                 gather_src.append(seq.pending_row)
                 ids.append(0)
             else:
                 ids.append(seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            token_slots.append(seq.lora_slot)
-            logits_idx.append(len(ids) - 1)
-            query_start.append(len(ids))
-            ctx_lens.append(p + 1)
-            tables.append(table)
-            seq_slots.append(seq.lora_slot)
-        sample_seqs.extend(sched.decodes)
-        num_prefill_tokens = query_start[len(sched.prefills)]
+        d_pos = [seq.num_computed_tokens for seq in decodes]
+        d_tables = [seq.block_table for seq in decodes]
+        pos += d_pos
+        slots += [t[p // bs] * bs + p % bs for p, t in zip(d_pos, d_tables, strict=True)]
+        d_slots = [seq.lora_slot for seq in decodes]
+        token_slots += d_slots
+        seq_slots += d_slots
+        end = first + len(decodes)
+        logits_idx += range(first, end)
+        query_start += range(first + 1, end + 1)
+        ctx_lens += [p + 1 for p in d_pos]
+        tables += d_tables
+        sample_seqs.extend(decodes)
+        num_sampled = len(logits_idx)
+        n_real = len(query_start) - 1
+        unified = self.unified and bool(sched.prefills)
+        n_pre = n_real if unified else len(sched.prefills)
+        num_prefill_tokens = query_start[n_pre]
         width = max(len(t) for t in tables)  # graph replays copy into the first `width` columns
         if pad_to:  # padding rows: token 0 at position 0 writing the reserved block 0
             extra = pad_to - len(ids)
@@ -119,8 +142,19 @@ class ModelRunner:
             ctx_lens += [1] * extra
             tables += [[0]] * extra
             token_slots += [-1] * extra
-            logits_idx += list(range(len(logits_idx), pad_to))
-        n_tok, n_seq, n_log, n_pre = len(ids), len(ctx_lens), len(logits_idx), len(sched.prefills)
+            logits_idx += range(len(logits_idx), pad_to)
+        elif mixed:  # tokens in no segment and segments of no tokens, on the reserved block 0
+            extra, segs = mixed - len(ids), self.mixed_segments(mixed) - n_real
+            ids += [0] * extra
+            pos += [0] * extra
+            slots += [0] * extra
+            token_slots += [-1] * extra
+            query_start += [query_start[-1]] * segs
+            ctx_lens += [1] * segs
+            tables += [[0]] * segs
+            logits_idx += [0] * segs
+            n_pre, num_prefill_tokens = n_pre + segs, mixed
+        n_tok, n_seq, n_log = len(ids), len(ctx_lens), len(logits_idx)
         # two host buffers, one copy each: int64 [ids | pos | slots | logits_idx],
         # int32 [ctx | slots | prefill query starts | tables]
         h64 = torch.tensor(ids + pos + slots + logits_idx, dtype=torch.int64)
@@ -140,13 +174,18 @@ class ModelRunner:
             num_prefills=n_pre,
             num_prefill_tokens=num_prefill_tokens,
             bucket=pad_to or 0,
-            num_sampled=len(sched.decodes) if pad_to else n_log,
+            num_sampled=num_sampled,
             query_start=query_start,
             context_lens_cpu=ctx_lens[: len(query_start) - 1],
             seq_slots=seq_slots,
             gather=torch.tensor([gather_dst, gather_src], dtype=torch.int64) if gather_dst else None,
+            mixed=mixed or 0,
         )
         return plan, sample_seqs
+
+    def mixed_segments(self, tokens: int) -> int:
+        """Segments of the graph for steps with prefill chunks padded to `tokens` tokens."""
+        return min(tokens, self.max_num_seqs)
 
     def to_device(self, plan: StepPlan) -> ForwardBatch:
         h64, h32 = plan.h64, plan.h32
@@ -182,8 +221,12 @@ class ModelRunner:
         `prev_tokens`: the tokens sampled by the step before, still on the device, which the
         decode rows of sequences with a pending token take as input."""
         n = len(sched.decodes)
-        bucket = next((b for b in self.graphs if b >= n), None) if not sched.prefills else None
-        plan, sample_seqs = self.plan(sched, pad_to=bucket)
+        if not sched.prefills:
+            plan, sample_seqs = self.plan(sched, pad_to=next((b for b in self.graphs if b >= n), None))
+        else:
+            tokens = n + sum(k for _, k in sched.prefills)
+            mixed = next((t for t in self.mixed_graphs if t >= tokens), None)
+            plan, sample_seqs = self.plan(sched, pad_to=None, mixed=mixed)
         return self.run(plan, prev_tokens), sample_seqs
 
     @torch.inference_mode()
@@ -196,11 +239,14 @@ class ModelRunner:
                 raise ValueError("the step reads tokens of a previous step that were not given")
             g = tensor_to_device(plan.gather, self.device)
             batch.input_ids[g[0]] = prev_tokens[g[1]]
-        if plan.bucket:
+        if plan.bucket or plan.mixed:
             # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
             # steps without adapter rows replay graphs without it
-            base_only = self.adapters is None or all(s < 0 for s in batch.seq_slots)
-            return self._replay(plan.bucket, batch, lora=not base_only)[: plan.num_sampled]
+            lora = self.adapters is not None and any(s >= 0 for s in batch.seq_slots)
+            if plan.bucket:
+                return self._graphs.replay_decode(plan.bucket, batch, lora)[: plan.num_sampled]
+            hidden = self._graphs.replay_mixed(plan.mixed, batch, lora)[: plan.num_sampled]
+            return self.model.compute_logits(hidden)
         if self.adapters is not None and any(s >= 0 for s in batch.seq_slots):
             batch.lora = self.adapters.lora_batch(batch.token_slots)
         hidden = self.model(batch)
@@ -217,8 +263,18 @@ class ModelRunner:
         """Release what outlives the engine's step thread (nothing here; a tensor-parallel leader
         stops its followers)."""
 
+    @property
+    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """The decode-only steps' graphs by batch size (empty until captured)."""
+        return self._graphs.decode
+
+    @property
+    def mixed_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """The graphs of steps with prefill chunks by token count (empty until captured)."""
+        return self._graphs.mixed
+
     def capture_graphs(self) -> None:
-        """Capture the decode graphs if this runner uses them and has none yet (idempotent)."""
+        """Capture the step graphs if this runner uses them and has none yet (idempotent)."""
         if self._want_graphs and not self.graphs:
             self._capture_graphs()
 
@@ -227,63 +283,9 @@ class ModelRunner:
         sizes = [b for b in GRAPH_BATCH_SIZES if b <= self.max_num_seqs]
         if self.max_num_seqs not in sizes and self.max_num_seqs < GRAPH_BATCH_SIZES[-1]:
             sizes.append(self.max_num_seqs)
-        b_max = max(sizes)
-        dev = self.device
-        self._static = ForwardBatch(
-            input_ids=torch.zeros(b_max, dtype=torch.int64, device=dev),
-            positions=torch.zeros(b_max, dtype=torch.int64, device=dev),
-            slot_mapping=torch.zeros(b_max, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros((b_max, self.max_blocks_per_seq), dtype=torch.int32, device=dev),
-            context_lens=torch.ones(b_max, dtype=torch.int32, device=dev),
-            logits_indices=torch.arange(b_max, dtype=torch.int64, device=dev),
-            token_slots=torch.full((b_max,), -1, dtype=torch.int32, device=dev),
-        )
-        self._graph_out: dict[tuple[int, bool], torch.Tensor] = {}
-        pool = None
-        for b in sorted(sizes, reverse=True):
-            # with adapters: one graph with the LoRA path, one without for base-only steps
-            for lora in (True, False) if self._graph_lora else (False,):
-                batch = self._static_view(b)
-                with torch.inference_mode():
-                    for _ in range(2):  # warm up (Triton autotune / compile) outside capture
-                        batch.lora = self._capture_lora(batch, lora)
-                        self.model.compute_logits(self.model(batch))
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
-                        batch.lora = self._capture_lora(batch, lora)
-                        self._graph_out[(b, lora)] = self.model.compute_logits(self.model(batch))
-                pool = g.pool()
-                (self.graphs if lora or not self._graph_lora else self._base_graphs)[b] = g
-        self.graphs = dict(sorted(self.graphs.items()))
-        log.info("captured CUDA graphs for decode batch sizes %s", sorted(self.graphs))
-
-    def _capture_lora(self, batch: ForwardBatch, lora: bool) -> LoRABatch | None:
-        return self.adapters.lora_batch(batch.token_slots) if lora and self.adapters is not None else None
-
-    def _static_view(self, b: int) -> ForwardBatch:
-        s = self._static
-        return ForwardBatch(
-            input_ids=s.input_ids[:b],
-            positions=s.positions[:b],
-            slot_mapping=s.slot_mapping[:b],
-            block_tables=s.block_tables[:b],
-            context_lens=s.context_lens[:b],
-            logits_indices=s.logits_indices[:b],
-            token_slots=s.token_slots[:b],
-            num_decodes=b,
-            query_start=list(range(b + 1)),
-            context_lens_cpu=[1] * b,
-        )
-
-    def _replay(self, b: int, batch: ForwardBatch, lora: bool = False) -> torch.Tensor:
-        s = self._static
-        s.input_ids[:b].copy_(batch.input_ids)
-        s.positions[:b].copy_(batch.positions)
-        s.slot_mapping[:b].copy_(batch.slot_mapping)
-        # columns past this step's width keep stale ids: never read, the kernel stops at context_lens
-        s.block_tables[:b, : batch.block_tables.shape[1]].copy_(batch.block_tables)
-        s.context_lens[:b].copy_(batch.context_lens)
-        s.token_slots[:b].copy_(batch.token_slots)
-        (self.graphs[b] if lora or not self._graph_lora else self._base_graphs[b]).replay()
-        return self._graph_out[(b, lora)]
+        tokens: list[int] = []
+        if self.unified:  # steps with prefill chunks, up to the step's token budget
+            tokens = [t for t in MIXED_GRAPH_TOKENS if t < self.max_num_batched_tokens]
+            if self.max_num_batched_tokens <= MIXED_GRAPH_TOKENS[-1]:
+                tokens.append(self.max_num_batched_tokens)
+        self._graphs.capture(sizes, tokens)

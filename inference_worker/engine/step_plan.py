@@ -43,6 +43,7 @@ class StepPlan:
     # [2, G] int64 (rows of input_ids, rows of the previous step's sampled tokens): decode inputs
     # still on the device when the step was planned (asynchronous scheduling); None when none
     gather: torch.Tensor | None = None
+    mixed: int = 0  # the token count of the graph of steps with prefill chunks (0: none)
 
     @staticmethod
     def h64_numel(num_tokens: int, num_logits: int) -> int:

@@ -22,10 +22,9 @@ class TextStream:
         self.stop = tuple(s for s in stop if s)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""  # decoded output so far (final characters only)
-        self.sent = 0  # characters of `text` already released
+        self.unsent = ""  # decoded text not released yet (final characters only)
         # DecodeStream's window, mirrored for the final flush: it decodes token_ids[_prefix:] and
-        # the text of token_ids[:_read] is in `text`; both move on each chunk it returns
+        # the text of token_ids[:_read] has been decoded; both move on each chunk it returns
         self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
         self._prefix = 0
         self._read = 0
@@ -41,14 +40,18 @@ class TextStream:
         if new is None:
             return False  # inside a multi-byte character: wait for more tokens
         self._prefix, self._read = self._read, len(self.token_ids)
-        start = max(0, len(self.text) - self.holdback)
-        self.text += new
-        if self.stop:
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-                return True
+        if not self.stop:
+            self.unsent += new
+            return False
+        # a match ends in the new text: it starts at most `holdback` characters before it, and
+        # those are never released while a stop string could begin there
+        start = max(0, len(self.unsent) - self.holdback)
+        self.unsent += new
+        hits = [i for i in (self.unsent.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.unsent = self.unsent[: min(hits)]
+            self.stopped = True
+            return True
         return False
 
     def _step(self, token_id: int) -> str | None:
@@ -72,9 +75,11 @@ class TextStream:
     def take(self, final: bool) -> str:
         """Text released since the last call; everything left when `final`."""
         if final and not self.stopped and self._read < len(self.token_ids):
-            self.text += self._by_hand(final=True) or ""
+            self.unsent += self._by_hand(final=True) or ""
             self._read = len(self.token_ids)
-        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.holdback)
-        out = self.text[self.sent : end]
-        self.sent = end
+        if final or self.stopped or not self.holdback:
+            out, self.unsent = self.unsent, ""
+            return out
+        end = max(0, len(self.unsent) - self.holdback)
+        out, self.unsent = self.unsent[:end], self.unsent[end:]
         return out

@@ -87,6 +87,8 @@ def prefill_attention(
     for i in range(batch.num_prefills):
         s, e = batch.query_start[i], batch.query_start[i + 1]
         total, q_len = batch.context_lens_cpu[i], e - s
+        if q_len == 0:  # a padding segment (graphs of steps with prefill chunks)
+            continue
         if total == q_len:  # no cached prefix: attend to this chunk only
             ki, vi, mask, causal = k[s:e], v[s:e], None, True
         else:

@@ -62,6 +62,7 @@ def build_runner(
     runner = ModelRunner(
         model, num_blocks, ec.block_size, ec.max_num_seqs, ec.max_model_len, ec.use_cuda_graphs, lora
     )
+    runner.unified = False  # it runs rank 0's plans, which keep decode rows apart
     return runner, slots
 
 

@@ -291,8 +291,8 @@ def test_decode_graphs_are_captured_once_when_the_engine_starts(tiny_model_dir) 
     captures: list[bool] = []
 
     def fake_capture() -> None:  # stands in for the CUDA capture: records which path it carries
-        captures.append(runner._graph_lora)
-        runner.graphs = {1: object()}
+        captures.append(runner._graphs.adapters is not None)
+        runner._graphs.decode = {1: object()}  # type: ignore[dict-item]
 
     runner._want_graphs = True  # as on a CUDA device
     runner._capture_graphs = fake_capture

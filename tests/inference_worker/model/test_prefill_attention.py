@@ -59,6 +59,9 @@ def check(device, dtype, nh, nkv, d, bs, segs, atol):
 # no prefix; prefixes ending inside a block, on a block edge and one key short of a 64-key tile
 # (the first row of the diagonal tile sees none of its keys); a segment spanning query tiles
 SEGS = [(5, 5), (17, 17), (1, 1), (20, 45), (3, 64), (10, 73), (70, 100), (1, 30)]
+# a step padded to a graph's shape: segments of no tokens among and after the others (decode rows
+# are one-token segments with a cached prefix)
+PADDED = [(0, 1), (7, 7), (1, 40), (0, 1), (1, 17), (12, 30), (0, 1), (0, 1)]
 """
 
 
@@ -79,6 +82,7 @@ def test_kernel_in_triton_interpreter() -> None:
         "check('cpu', torch.float16, 8, 2, 16, 16, SEGS, 4e-3)\n"
         # more segments than one step of the tile -> segment scan (64)
         "check('cpu', torch.float32, 4, 1, 16, 16, [(1 + i % 3, 1 + i % 3 + i % 5) for i in range(70)], 1e-5)\n"
+        "check('cpu', torch.float32, 4, 1, 16, 16, PADDED, 1e-5)\n"
     )
 
 
@@ -96,3 +100,4 @@ def test_kernel_on_cuda(dtype, atol, nh, nkv, d, bs) -> None:
     segs = ns["SEGS"] + [(1, 1500), (300, 300), (513, 1000), (128, 128), (37, 600)]
     ns["check"]("cuda", dtype, nh, nkv, d, bs, segs, atol)
     ns["check"]("cuda", dtype, nh, nkv, d, bs, [(1 + i % 7, 1 + i % 7 + 3 * i) for i in range(200)], atol)
+    ns["check"]("cuda", dtype, nh, nkv, d, bs, ns["PADDED"] * 5, atol)

@@ -1,0 +1,170 @@
+"""The model runner's CUDA graphs: one model call each, captured once, replayed on static buffers.
+
+- Decode-only steps, by batch size: logits of every row. Padding rows hold token 0 at position 0
+  and write the reserved KV block 0.
+- Steps with prefill chunks, by token count: every row is a prefill segment (a decode is a
+  segment of one token; model_runner.py), and the graph returns the hidden states of the rows the
+  step samples from; the runner computes their logits outside the graph, which keeps each graph's
+  own output small. Padding tokens belong to no segment and padding segments hold no token.
+
+With adapters, each graph has a base-only twin without the LoRA path. All graphs share one memory
+pool: one replays at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loraserve.inference_worker.engine.step_plan import LoRABatchSource
+from loraserve.inference_worker.model.forward_batch import ForwardBatch
+from loraserve.inference_worker.model.llama import LlamaModel
+from loraserve.kernels import LoRABatch
+
+log = logging.getLogger(__name__)
+
+
+class StepGraphs:
+    def __init__(
+        self,
+        model: LlamaModel,
+        adapters: LoRABatchSource | None,
+        max_blocks_per_seq: int,
+        segments_of: Callable[[int], int],
+    ) -> None:
+        self.model, self.adapters = model, adapters
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.segments_of = segments_of  # segments of the mixed graph of a token count
+        self.decode: dict[int, torch.cuda.CUDAGraph] = {}  # by batch size, ascending
+        self.mixed: dict[int, torch.cuda.CUDAGraph] = {}  # by token count, ascending
+        self._twins: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # base-only twins
+        self._out: dict[tuple[str, int, bool], torch.Tensor] = {}
+        self._pool: Any = None  # the graphs' shared memory pool, once the first is captured
+
+    def _buffers(self, tokens: int, seqs: int) -> ForwardBatch:
+        dev = self.model.device
+        return ForwardBatch(
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            positions=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            slot_mapping=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros((seqs, self.max_blocks_per_seq), dtype=torch.int32, device=dev),
+            context_lens=torch.ones(seqs, dtype=torch.int32, device=dev),
+            logits_indices=torch.arange(seqs, dtype=torch.int64, device=dev),
+            token_slots=torch.full((tokens,), -1, dtype=torch.int32, device=dev),
+            prefill_query_start=torch.zeros(seqs + 1, dtype=torch.int32, device=dev),
+        )
+
+    def capture(self, batch_sizes: list[int], token_counts: list[int]) -> None:
+        """Decode graphs for `batch_sizes`, graphs of steps with prefill chunks for `token_counts`
+        (largest first, so the shared pool is sized by the first)."""
+        if batch_sizes:
+            b_max = max(batch_sizes)
+            self._decode_static = self._buffers(b_max, b_max)
+            for b in sorted(batch_sizes, reverse=True):
+                self._capture("decode", b, self._decode_view(b))
+        if token_counts:
+            t_max = max(token_counts)
+            self._mixed_static = self._buffers(t_max, self.segments_of(t_max))
+            for t in sorted(token_counts, reverse=True):
+                self._capture("mixed", t, self._mixed_view(t))
+        self.decode = dict(sorted(self.decode.items()))
+        self.mixed = dict(sorted(self.mixed.items()))
+        log.info(
+            "captured CUDA graphs for decode batch sizes %s and for steps with prefill chunks of up to "
+            "%s tokens",
+            list(self.decode),
+            list(self.mixed),
+        )
+
+    def _forward(self, kind: str, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(batch)
+        if kind == "decode":
+            return self.model.compute_logits(hidden)
+        return hidden[batch.logits_indices]
+
+    def _capture(self, kind: str, size: int, batch: ForwardBatch) -> None:
+        for lora in (True, False) if self.adapters is not None else (False,):
+            with torch.inference_mode():
+                for _ in range(2):  # warm up (Triton compiles) outside the capture
+                    batch.lora = self._lora(batch, lora)
+                    self._forward(kind, batch)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    batch.lora = self._lora(batch, lora)
+                    self._out[(kind, size, lora)] = self._forward(kind, batch)
+            self._pool = g.pool()
+            if lora or self.adapters is None:
+                (self.decode if kind == "decode" else self.mixed)[size] = g
+            else:
+                self._twins[(kind, size)] = g
+
+    def _lora(self, batch: ForwardBatch, lora: bool) -> LoRABatch | None:
+        return self.adapters.lora_batch(batch.token_slots) if lora and self.adapters is not None else None
+
+    def _decode_view(self, b: int) -> ForwardBatch:
+        s = self._decode_static
+        return ForwardBatch(
+            input_ids=s.input_ids[:b],
+            positions=s.positions[:b],
+            slot_mapping=s.slot_mapping[:b],
+            block_tables=s.block_tables[:b],
+            context_lens=s.context_lens[:b],
+            logits_indices=s.logits_indices[:b],
+            token_slots=s.token_slots[:b],
+            num_decodes=b,
+            query_start=list(range(b + 1)),
+            context_lens_cpu=[1] * b,
+        )
+
+    def _mixed_view(self, t: int) -> ForwardBatch:
+        s, n = self._mixed_static, self.segments_of(t)
+        assert s.prefill_query_start is not None
+        return ForwardBatch(
+            input_ids=s.input_ids[:t],
+            positions=s.positions[:t],
+            slot_mapping=s.slot_mapping[:t],
+            block_tables=s.block_tables[:n],
+            context_lens=s.context_lens[:n],
+            logits_indices=s.logits_indices[:n],
+            token_slots=s.token_slots[:t],
+            num_prefills=n,
+            num_prefill_tokens=t,
+            query_start=[0] * (n + 1),
+            context_lens_cpu=[1] * n,
+            prefill_query_start=s.prefill_query_start[: n + 1],
+        )
+
+    def _graph(self, kind: str, size: int, lora: bool) -> torch.cuda.CUDAGraph:
+        if lora or self.adapters is None:
+            return (self.decode if kind == "decode" else self.mixed)[size]
+        return self._twins[(kind, size)]
+
+    @staticmethod
+    def _fill(s: ForwardBatch, batch: ForwardBatch, tokens: int, seqs: int) -> None:
+        s.input_ids[:tokens].copy_(batch.input_ids)
+        s.positions[:tokens].copy_(batch.positions)
+        s.slot_mapping[:tokens].copy_(batch.slot_mapping)
+        # columns past this step's width keep stale ids: never read, the kernels stop at context_lens
+        s.block_tables[:seqs, : batch.block_tables.shape[1]].copy_(batch.block_tables)
+        s.context_lens[:seqs].copy_(batch.context_lens)
+        s.token_slots[:tokens].copy_(batch.token_slots)
+
+    def replay_decode(self, b: int, batch: ForwardBatch, lora: bool) -> torch.Tensor:
+        """-> logits [b, vocab] float32 of a decode-only step padded to b rows."""
+        self._fill(self._decode_static, batch, b, b)
+        self._graph("decode", b, lora).replay()
+        return self._out[("decode", b, lora)]
+
+    def replay_mixed(self, t: int, batch: ForwardBatch, lora: bool) -> torch.Tensor:
+        """-> hidden states [segments, hidden] of the sampled rows of a step padded to t tokens."""
+        s, n = self._mixed_static, self.segments_of(t)
+        self._fill(s, batch, t, n)
+        assert batch.prefill_query_start is not None and s.prefill_query_start is not None
+        s.prefill_query_start[: n + 1].copy_(batch.prefill_query_start)
+        s.logits_indices[:n].copy_(batch.logits_indices)
+        self._graph("mixed", t, lora).replay()
+        return self._out[("mixed", t, lora)]
