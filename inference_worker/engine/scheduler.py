@@ -104,22 +104,24 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         self._preempted = False
-        # decoding sequences first (1 token each), then chunks of the prefilling ones
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        ordered = (
-            decoding
-            if len(decoding) == len(self.running)
-            else decoding + [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        )
-        for seq in ordered:
+        # decoding sequences first (1 token each), then chunks of the prefilling ones; a sequence's
+        # tokens left to compute change only when it is preempted (then it no longer runs)
+        left = [(s, s.num_tokens - s.num_computed_tokens) for s in self.running]
+        ordered = [p for p in left if p[1] == 1]
+        if len(ordered) < len(left):
+            ordered += [p for p in left if p[1] > 1]
+        for seq, todo in ordered:
             if seq.status is not SequenceStatus.RUNNING or budget <= 0 or seq.ends_with_pending:
                 continue  # (a token still on the device is its last: nothing to run)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(todo, budget)
             scheduled.add(seq.seq_id)
             if not self._reserve(seq, seq.num_computed_tokens + n, scheduled):
                 continue
             budget -= n
-            self._place(out, seq, n)
+            if todo == 1:
+                out.decodes.append(seq)
+            else:
+                out.prefills.append((seq, n))
         if self._preempted:
             return out
         for seq in list(self.waiting):
