@@ -150,7 +150,8 @@ class ModelRunner:
             token_slots += [-1] * extra
             logits_idx += range(len(logits_idx), pad_to)
         elif mixed:  # tokens in no segment and segments of no tokens, on the reserved block 0
-            extra, segs = mixed - len(ids), self.mixed_segments(mixed) - n_real
+            extra, n_segs = mixed - len(ids), self.mixed_segments(mixed)
+            segs = n_segs - n_real
             ids += [0] * extra
             pos += [0] * extra
             slots += [0] * extra
@@ -158,7 +159,7 @@ class ModelRunner:
             query_start += [query_start[-1]] * segs
             ctx_lens += [1] * segs
             tables += [[0]] * segs
-            logits_idx += [0] * segs
+            logits_idx += [0] * (n_segs - len(logits_idx))  # one row a segment at the most
             n_pre, num_prefill_tokens = n_pre + segs, mixed
         n_tok, n_seq, n_log = len(ids), len(ctx_lens), len(logits_idx)
         # two host buffers, one copy each: int64 [ids | pos | slots | logits_idx],

@@ -78,7 +78,8 @@ def test_padding_a_step_to_a_graph_shape_changes_no_logit(tiny_model_dir: Path) 
             for pad in (tokens, tokens + 5):
                 padded, padded_seqs = runner.plan(sched, None, mixed=pad)
                 assert padded_seqs == seqs
-                assert padded.num_tokens == pad and padded.num_seqs == runner.mixed_segments(pad)
+                segments = runner.mixed_segments(pad)  # the graph's shape, whatever samples
+                assert (padded.num_tokens, padded.num_seqs, padded.num_logits) == (pad, segments, segments)
                 torch.testing.assert_close(
                     eager_logits(runner, padded), eager_logits(runner, plain), rtol=1e-5, atol=1e-5
                 )
