@@ -12,6 +12,8 @@ one async host-to-device copy of the whole pinned payload into a staging buffer,
 device-side strided copies — one per (group, A|B) for the usual adapter whose tensors repeat with
 a fixed stride across consecutive layers, since buffers of one group are stacked over layers —
 all on the caller's current stream, so the step that first reads the slot is ordered after it.
+The staging buffer and the copies' views (per slot and payload layout) are made once and reused,
+so a load is a few calls on the step thread, whatever the number of tensors.
 Entries past a slot's rank are never read by the kernels, so nothing is cleared on eviction.
 
 Under tensor parallelism (`shard`), each rank's buffers hold its shard as S-LoRA lays it out:
@@ -29,6 +31,7 @@ the store would have) or into float32 / bfloat16. Into float16 from a wider rang
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +44,7 @@ from loraserve.inference_worker.parallel.shard import Range, TensorShard
 
 log = logging.getLogger(__name__)
 GROUP_INDEX = {g.name: i for i, g in enumerate(GROUPS)}
+VIEW_CACHE_SIZE = 1024  # (slot, payload layout) pairs whose copy views are kept
 
 
 class SlotLoadError(ValueError):
@@ -107,6 +111,9 @@ class LoRASlots:
         self.a = [{g.name: self.a_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.b = [{g.name: self.b_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.ranks = torch.zeros(n, len(GROUPS), max_loras, dtype=torch.int32, device=self.device)
+        self._staging: torch.Tensor | None = None  # CUDA loads: the payload's bytes on the device
+        self._staging_lock = threading.Lock()
+        self._view_cache: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @staticmethod
     def bytes_needed(hf_config: dict, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
@@ -233,33 +240,75 @@ class LoRASlots:
         runs, ranks = self._plan(payload)
         data = payload.data
         if self.device.type == "cuda" and data.device.type != "cuda":
+            if self.shard_ranges is None and all(run.dtype == self.dtype for run in runs):
+                # a handful of calls, each a point where the step thread may lose the interpreter
+                # to another thread: one staging buffer and the copies' views, reused
+                with self._staging_lock:
+                    staging = self._staging_for(payload.nbytes)
+                    staging[: payload.nbytes].copy_(data, non_blocking=data.is_pinned())
+                    dsts, srcs = self._views(slot, runs, staging)
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                self.ranks[:, :, slot].copy_(ranks, non_blocking=True)
+                return
             staged = torch.empty(payload.nbytes, dtype=torch.uint8, device=self.device)
             staged.copy_(data, non_blocking=data.is_pinned())
             data = staged
         for run in runs:
-            size = run.dtype.itemsize
-            elems = (
-                data.view(run.dtype)
-                if data.numel() % size == 0
-                else data[: data.numel() // size * size].view(run.dtype)
-            )
-            inner = [1]
-            for d in reversed(run.shape[1:]):
-                inner.insert(0, inner[0] * d)
-            src = elems.as_strided(
-                (run.num_layers, *run.shape),
-                (run.stride // size, *inner),
-                elems.storage_offset() + run.offset // size,
-            )
-            r = run.shape[1]
+            src = self._source(run, data)
             layers = slice(run.first_layer, run.first_layer + run.num_layers)
             if self.shard_ranges is not None:
                 self._copy_shard(run, src, layers, slot)
-            elif run.which == "lora_a":
-                self.a_all[run.group][layers, slot, :, :r, :].copy_(src, non_blocking=True)
             else:
-                self.b_all[run.group][layers, slot, :, :r].copy_(src, non_blocking=True)
+                self._destination(run, slot).copy_(src, non_blocking=True)
         self.ranks[:, :, slot].copy_(ranks, non_blocking=True)
+
+    @staticmethod
+    def _source(run: CopyRun, data: torch.Tensor) -> torch.Tensor:
+        """The run's tensors in the payload bytes `data`: [layers, *shape]."""
+        size = run.dtype.itemsize
+        elems = (
+            data.view(run.dtype)
+            if data.numel() % size == 0
+            else data[: data.numel() // size * size].view(run.dtype)
+        )
+        inner = [1]
+        for d in reversed(run.shape[1:]):
+            inner.insert(0, inner[0] * d)
+        return elems.as_strided(
+            (run.num_layers, *run.shape),
+            (run.stride // size, *inner),
+            elems.storage_offset() + run.offset // size,
+        )
+
+    def _destination(self, run: CopyRun, slot: int) -> torch.Tensor:
+        r, layers = run.shape[1], slice(run.first_layer, run.first_layer + run.num_layers)
+        if run.which == "lora_a":
+            return self.a_all[run.group][layers, slot, :, :r, :]
+        return self.b_all[run.group][layers, slot, :, :r]
+
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        """The device staging buffer, grown (and the cached views dropped) when too small. Copies
+        into it queue on the stream after the last load's copies out of it."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._view_cache.clear()
+        return self._staging
+
+    def _views(
+        self, slot: int, runs: list[CopyRun], staging: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destinations, sources) of a payload layout's copies into `slot`; adapters of one rank
+        and module set share a layout, so these are made once per (slot, layout)."""
+        key = (slot, tuple(runs))
+        got = self._view_cache.get(key)
+        if got is None:
+            if len(self._view_cache) >= VIEW_CACHE_SIZE:
+                self._view_cache.clear()
+            got = self._view_cache[key] = (
+                [self._destination(run, slot) for run in runs],
+                [self._source(run, staging) for run in runs],
+            )
+        return got
 
     def _copy_shard(self, run: CopyRun, src: torch.Tensor, layers: slice, slot: int) -> None:
         # src: a run's whole tensors, [layers, slices, r, in] (A) or [layers, out, r] (B)
