@@ -14,7 +14,6 @@ pool: one replays at a time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,17 +26,22 @@ from loraserve.kernels import LoRABatch
 log = logging.getLogger(__name__)
 
 
+def mixed_segments(tokens: int, max_num_seqs: int) -> int:
+    """Segments of the graph for steps with prefill chunks padded to `tokens` tokens."""
+    return min(tokens, max_num_seqs)
+
+
 class StepGraphs:
     def __init__(
         self,
         model: LlamaModel,
         adapters: LoRABatchSource | None,
         max_blocks_per_seq: int,
-        segments_of: Callable[[int], int],
+        max_num_seqs: int,
     ) -> None:
+        # (no reference back to the runner: a cycle would outlive the engine until a collection)
         self.model, self.adapters = model, adapters
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.segments_of = segments_of  # segments of the mixed graph of a token count
+        self.max_blocks_per_seq, self.max_num_seqs = max_blocks_per_seq, max_num_seqs
         self.decode: dict[int, torch.cuda.CUDAGraph] = {}  # by batch size, ascending
         self.mixed: dict[int, torch.cuda.CUDAGraph] = {}  # by token count, ascending
         self._twins: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # base-only twins
@@ -67,7 +71,7 @@ class StepGraphs:
                 self._capture("decode", b, self._decode_view(b))
         if token_counts:
             t_max = max(token_counts)
-            self._mixed_static = self._buffers(t_max, self.segments_of(t_max))
+            self._mixed_static = self._buffers(t_max, mixed_segments(t_max, self.max_num_seqs))
             for t in sorted(token_counts, reverse=True):
                 self._capture("mixed", t, self._mixed_view(t))
         self.decode = dict(sorted(self.decode.items()))
@@ -121,7 +125,7 @@ class StepGraphs:
         )
 
     def _mixed_view(self, t: int) -> ForwardBatch:
-        s, n = self._mixed_static, self.segments_of(t)
+        s, n = self._mixed_static, mixed_segments(t, self.max_num_seqs)
         assert s.prefill_query_start is not None
         return ForwardBatch(
             input_ids=s.input_ids[:t],
@@ -161,7 +165,7 @@ class StepGraphs:
 
     def replay_mixed(self, t: int, batch: ForwardBatch, lora: bool) -> torch.Tensor:
         """-> hidden states [segments, hidden] of the sampled rows of a step padded to t tokens."""
-        s, n = self._mixed_static, self.segments_of(t)
+        s, n = self._mixed_static, mixed_segments(t, self.max_num_seqs)
         self._fill(s, batch, t, n)
         assert batch.prefill_query_start is not None and s.prefill_query_start is not None
         s.prefill_query_start[: n + 1].copy_(batch.prefill_query_start)

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from loraserve.inference_worker.engine.cuda_graphs import StepGraphs
+from loraserve.inference_worker.engine.cuda_graphs import StepGraphs, mixed_segments
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import Sequence
 from loraserve.inference_worker.engine.step_plan import LoRABatchSource, StepPlan
@@ -77,7 +77,7 @@ class ModelRunner:
                 layer.self_attn.decode_attention = paged_decode_attention
         # on CUDA, steps with prefill chunks run their decode rows as one-token prefill segments
         self.unified = self.device.type == "cuda" and not self.sharded
-        self._graphs = StepGraphs(model, adapters, self.max_blocks_per_seq, self.mixed_segments)
+        self._graphs = StepGraphs(model, adapters, self.max_blocks_per_seq, max_num_seqs)
         # captured once, by capture_graphs() when the engine starts; until then steps run eagerly
         self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
 
@@ -194,7 +194,7 @@ class ModelRunner:
 
     def mixed_segments(self, tokens: int) -> int:
         """Segments of the graph for steps with prefill chunks padded to `tokens` tokens."""
-        return min(tokens, self.max_num_seqs)
+        return mixed_segments(tokens, self.max_num_seqs)
 
     def to_device(self, plan: StepPlan) -> ForwardBatch:
         h64, h32 = plan.h64, plan.h32

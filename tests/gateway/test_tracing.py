@@ -34,7 +34,8 @@ def _by_name(spans: list) -> dict[str, list]:
 def test_one_trace_spans_gateway_worker_and_store(spans, fresh_worker, start_gateway, caplog) -> None:
     caplog.set_level(logging.INFO, logger="loraserve.access")
     gw = start_gateway(worker=fresh_worker.address)
-    body = {"model": "peft-patterns", "prompt": "hello there", "max_tokens": 3}
+    # greedy: a sampled end-of-sequence token would end it before max_tokens
+    body = {"model": "peft-patterns", "prompt": "hello there", "max_tokens": 3, "temperature": 0}
     headers = {"traceparent": f"00-{TRACE_ID}-{CALLER_SPAN}-01"}
     reply = httpx.post(f"{gw.url}/v1/completions", json=body, headers=headers, timeout=60)
     assert reply.status_code == 200, reply.text
