@@ -21,7 +21,7 @@ from loraserve.inference_worker.engine.cuda_graphs import StepGraphs, mixed_segm
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import Sequence
 from loraserve.inference_worker.engine.step_plan import LoRABatchSource, StepPlan
-from loraserve.inference_worker.engine.transfer import tensor_to_device, to_device
+from loraserve.inference_worker.engine.transfer import StepInputs, to_device
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.llama import LlamaModel
 
@@ -77,6 +77,7 @@ class ModelRunner:
                 layer.self_attn.decode_attention = paged_decode_attention
         # on CUDA, steps with prefill chunks run their decode rows as one-token prefill segments
         self.unified = self.device.type == "cuda" and not self.sharded
+        self._inputs = StepInputs(self.device)  # the step's host tensors to the device, one copy
         self._graphs = StepGraphs(model, adapters, self.max_blocks_per_seq, max_num_seqs)
         # captured once, by capture_graphs() when the engine starts; until then steps run eagerly
         self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
@@ -197,9 +198,13 @@ class ModelRunner:
         return mixed_segments(tokens, self.max_num_seqs)
 
     def to_device(self, plan: StepPlan) -> ForwardBatch:
-        h64, h32 = plan.h64, plan.h32
+        return self._to_device(plan)[0]
+
+    def _to_device(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """The step's batch on the device, and its gather rows (StepPlan.gather) there: one copy."""
         n_tok, n_seq, n_log, n_pre = plan.num_tokens, plan.num_seqs, plan.num_logits, plan.num_prefills
-        h64, h32 = tensor_to_device(h64, self.device), tensor_to_device(h32, self.device)
+        host = (plan.h64, plan.h32) if plan.gather is None else (plan.h64, plan.h32, plan.gather)
+        h64, h32, *gather = self._inputs.to_device(*host)
         return ForwardBatch(
             input_ids=h64[:n_tok],
             positions=h64[n_tok : 2 * n_tok],
@@ -215,7 +220,7 @@ class ModelRunner:
             context_lens_cpu=plan.context_lens_cpu,
             seq_slots=plan.seq_slots,
             prefill_query_start=h32[n_seq + n_tok : n_seq + n_tok + n_pre + 1] if n_pre else None,
-        )
+        ), (gather[0] if gather else None)
 
     def build_batch(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[ForwardBatch, list[Sequence]]:
         plan, sample_seqs = self.plan(sched, pad_to)
@@ -242,11 +247,11 @@ class ModelRunner:
     def run(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One model call on a planned batch: a graph replay for a padded decode batch, else eager;
         -> logits [plan.num_sampled, V] float32."""
-        batch = self.to_device(plan)
-        if plan.gather is not None:
-            if prev_tokens is None:
-                raise ValueError("the step reads tokens of a previous step that were not given")
-            g = tensor_to_device(plan.gather, self.device)
+        if plan.gather is not None and prev_tokens is None:
+            raise ValueError("the step reads tokens of a previous step that were not given")
+        batch, g = self._to_device(plan)
+        if g is not None:
+            assert prev_tokens is not None
             batch.input_ids[g[0]] = prev_tokens[g[1]]
         if plan.bucket or plan.mixed:
             # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;

@@ -3,13 +3,15 @@
 `torch.tensor(values, device=cuda)` copies from pageable memory, which waits for everything
 queued on the stream: inside a step that is planned while the previous one runs (asynchronous
 scheduling) it would wait for that step. These copies go through pinned memory instead; the
-pinned buffer is not reused before its copy has run (PyTorch's host allocator tracks that).
+pinned buffer is not reused before its copy has run (PyTorch's host allocator tracks that, and
+`StepInputs`, which carries the runner's per-step tensors in one copy, its own events).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -21,8 +23,47 @@ def to_device(values: Sequence, device: torch.device, dtype: torch.dtype | None 
     return t.to(device)
 
 
-def tensor_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, copied asynchronously on CUDA."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+class StepInputs:
+    """A step's host tensors to the device in one copy, through a ring of pinned buffers that are
+    reused once their copy has run: no pinned allocation per step, and two calls a step on the
+    step thread (each a point where another thread may take the interpreter), not two a tensor.
+
+    The device copies live in a ring of device buffers too: a step's inputs are overwritten only
+    by a copy queued on the same stream after that step."""
+
+    DEPTH = 4
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: list[torch.Tensor | None] = [None] * self.DEPTH
+        self._dev: list[torch.Tensor | None] = [None] * self.DEPTH
+        self._copied: list[torch.cuda.Event | None] = [None] * self.DEPTH
+        self._next = 0
+
+    def to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """`tensors` (CPU, contiguous, of 1-, 4- or 8-byte types) on the device, in order."""
+        if self.device.type != "cuda":
+            return [t.to(self.device) for t in tensors]
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // 8) * 8  # every tensor 8-byte aligned
+        i, self._next = self._next, (self._next + 1) % self.DEPTH
+        host, dev, copied = self._host[i], self._dev[i], self._copied[i]
+        if copied is not None:
+            copied.synchronize()  # the copy out of this buffer DEPTH steps ago: long done
+        if host is None or host.numel() < total:
+            host = self._host[i] = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
+            dev = self._dev[i] = torch.empty(2 * total, dtype=torch.uint8, device=self.device)
+        assert dev is not None
+        staged = host.numpy()
+        for t, off in zip(tensors, offsets, strict=True):
+            raw = t.numpy().view(np.uint8).reshape(-1)
+            staged[off : off + raw.size] = raw  # a host memcpy, no torch call
+        dev[:total].copy_(host[:total], non_blocking=True)
+        event = self._copied[i] = self._copied[i] or torch.cuda.Event()
+        event.record()
+        return [
+            dev[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, off in zip(tensors, offsets, strict=True)
+        ]
