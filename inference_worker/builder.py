@@ -249,6 +249,7 @@ def engine_config_for(config: WorkerConfig, model: LlamaModel) -> EngineConfig:
         kernel_warmup=config.kernel_warmup,
         async_scheduling=None if config.async_scheduling else False,  # None: where it applies
         max_prompt_chars=config.max_prompt_chars,
+        stream_interval=config.stream_interval,
     )
 
 

@@ -37,6 +37,8 @@ _HELP = {
     "disk by Triton, so a restart is quick)",
     "async_scheduling": "plan and launch the next step while the device runs the current one, "
     "reading its tokens back after (CUDA, not with tensor parallelism)",
+    "stream_interval": "a running request's tokens are sent every this many steps (its first token "
+    "and its end at once); more sends fewer messages per token when the server is the bottleneck",
     "gc_threshold": "allocations between collections of Python's youngest garbage-collector generation "
     "(Python's own default is 700); what is alive once the worker is up is frozen out of collection",
     "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "
@@ -90,6 +92,7 @@ class WorkerConfig:
     async_scheduling: bool = True
     switch_interval_ms: float = 0.5
     gc_threshold: int = DEFAULT_GEN0_THRESHOLD
+    stream_interval: int = 1
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
     max_loras: int = 4
@@ -139,6 +142,7 @@ class WorkerConfig:
             "max_cpu_lora_mb",
             "tensor_parallel_size",
             "gc_threshold",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")

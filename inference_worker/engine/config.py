@@ -24,6 +24,8 @@ class EngineConfig:
     max_prompt_chars: int = (
         0  # characters of a prompt (or a conversation); 0 = CHARS_PER_TOKEN x max_model_len
     )
+    # a running request's tokens go out every this many (its first token and its end at once)
+    stream_interval: int = 1
 
     @property
     def prompt_char_limit(self) -> int:

@@ -336,23 +336,22 @@ class LLMEngine:
 
     @staticmethod
     def _advance_text(seq: Sequence) -> bool:
-        """Feed the sequence's new tokens to its text stream; True when a stop string matched."""
-        stream = seq.text_stream
-        while (n := len(stream.token_ids)) < len(seq.output_token_ids):  # n: tokens already fed
-            if stream.append(seq.output_token_ids[n]):
-                del seq.output_token_ids[n + 1 :]
-                return True
-        return False
+        """Feed the sequence's new tokens to its text stream; True when a stop string matched
+        (the tokens after the one that completed it are dropped)."""
+        return seq.text_stream.feed(seq.output_token_ids)
 
     def _process_text(self) -> None:
         pending, self._text_pending = self._text_pending, []
+        every = self.config.stream_interval
         for seq in pending:
             if seq.finish_reason is not None:
                 continue
             if self._advance_text(seq):
                 self._finish(seq, FinishReason.STOP)
                 continue
-            self._emit_unsent(seq)
+            sent = seq.sent_token_count
+            if every == 1 or not sent or len(seq.output_token_ids) - sent >= every:
+                self._emit_unsent(seq)
 
     def _emit_unsent(
         self,

@@ -54,6 +54,15 @@ class TextStream:
             return True
         return False
 
+    def feed(self, token_ids: list[int]) -> bool:
+        """Append the tokens of `token_ids` (a sequence's output so far) not fed yet; on a stop
+        string, cut `token_ids` after the token that completed it and return True."""
+        while (n := len(self.token_ids)) < len(token_ids):  # n: tokens already fed
+            if self.append(token_ids[n]):
+                del token_ids[n + 1 :]
+                return True
+        return False
+
     def _step(self, token_id: int) -> str | None:
         """The new text once token_id completes some, else None."""
         if self._stream is not None:

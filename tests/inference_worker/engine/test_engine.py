@@ -308,3 +308,28 @@ def test_decode_graphs_are_captured_once_when_the_engine_starts(tiny_model_dir) 
         assert captures == [True]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("every", [2, 3, 5])
+def test_stream_interval_groups_tokens_without_changing_them(tiny_model_dir: Path, tok, every: int) -> None:
+    """With stream_interval k a running request's outputs carry k tokens each: its first token at
+    once, its end (a length, or a stop string across outputs) whenever it comes; the tokens, text
+    and ending are those of k = 1."""
+    requests = [
+        (tok.encode(PROMPTS[1]).ids, SamplingParams(max_tokens=17, ignore_eos=True)),
+        (tok.encode(PROMPTS[2]).ids, SamplingParams(max_tokens=1, ignore_eos=True)),
+    ]
+    one = run_all(make_engine(tiny_model_dir), requests)
+    text = "".join(o.text for o in one[0])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    requests.append((requests[0][0], SamplingParams(max_tokens=17, stop=(stop,), ignore_eos=True)))
+    one = run_all(make_engine(tiny_model_dir), requests)
+    grouped = run_all(make_engine(tiny_model_dir, stream_interval=every), requests)
+    for a, b in zip(one, grouped, strict=True):
+        assert tokens(b) == tokens(a) and "".join(o.text for o in b) == "".join(o.text for o in a)
+        assert b[-1].finish_reason is a[-1].finish_reason
+        assert b[-1].usage.completion_tokens == a[-1].usage.completion_tokens
+        assert len(b[0].token_ids) == 1  # the first token is not held back
+        assert all(len(o.token_ids) == every for o in b[1:-1])
+    assert one[2][-1].finish_reason is FinishReason.STOP
+    assert len(grouped[0]) < len(one[0])
