@@ -109,36 +109,34 @@ class StepGraphs:
     def _lora(self, batch: ForwardBatch, lora: bool) -> LoRABatch | None:
         return self.adapters.lora_batch(batch.token_slots) if lora and self.adapters is not None else None
 
-    def _decode_view(self, b: int) -> ForwardBatch:
-        s = self._decode_static
+    @staticmethod
+    def _view(s: ForwardBatch, tokens: int, seqs: int, **step: Any) -> ForwardBatch:
+        """The first `tokens` rows and `seqs` sequences of the static buffers `s`."""
         return ForwardBatch(
-            input_ids=s.input_ids[:b],
-            positions=s.positions[:b],
-            slot_mapping=s.slot_mapping[:b],
-            block_tables=s.block_tables[:b],
-            context_lens=s.context_lens[:b],
-            logits_indices=s.logits_indices[:b],
-            token_slots=s.token_slots[:b],
-            num_decodes=b,
-            query_start=list(range(b + 1)),
-            context_lens_cpu=[1] * b,
+            input_ids=s.input_ids[:tokens],
+            positions=s.positions[:tokens],
+            slot_mapping=s.slot_mapping[:tokens],
+            block_tables=s.block_tables[:seqs],
+            context_lens=s.context_lens[:seqs],
+            logits_indices=s.logits_indices[:seqs],
+            token_slots=s.token_slots[:tokens],
+            context_lens_cpu=[1] * seqs,
+            **step,
         )
+
+    def _decode_view(self, b: int) -> ForwardBatch:
+        return self._view(self._decode_static, b, b, num_decodes=b, query_start=list(range(b + 1)))
 
     def _mixed_view(self, t: int) -> ForwardBatch:
         s, n = self._mixed_static, mixed_segments(t, self.max_num_seqs)
         assert s.prefill_query_start is not None
-        return ForwardBatch(
-            input_ids=s.input_ids[:t],
-            positions=s.positions[:t],
-            slot_mapping=s.slot_mapping[:t],
-            block_tables=s.block_tables[:n],
-            context_lens=s.context_lens[:n],
-            logits_indices=s.logits_indices[:n],
-            token_slots=s.token_slots[:t],
+        return self._view(
+            s,
+            t,
+            n,
             num_prefills=n,
             num_prefill_tokens=t,
             query_start=[0] * (n + 1),
-            context_lens_cpu=[1] * n,
             prefill_query_start=s.prefill_query_start[: n + 1],
         )
 
