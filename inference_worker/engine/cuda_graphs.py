@@ -146,14 +146,21 @@ class StepGraphs:
         return self._twins[(kind, size)]
 
     @staticmethod
-    def _fill(s: ForwardBatch, batch: ForwardBatch, tokens: int, seqs: int) -> None:
-        s.input_ids[:tokens].copy_(batch.input_ids)
-        s.positions[:tokens].copy_(batch.positions)
-        s.slot_mapping[:tokens].copy_(batch.slot_mapping)
+    def _fill(s: ForwardBatch, batch: ForwardBatch, tokens: int, seqs: int, mixed: bool = False) -> None:
+        """The step's inputs into the static buffers: one call (its copies run on the device), since
+        each call that reaches the driver is a point where another thread may take the interpreter."""
+        dst = [s.input_ids[:tokens], s.positions[:tokens], s.slot_mapping[:tokens]]
+        src = [batch.input_ids, batch.positions, batch.slot_mapping]
         # columns past this step's width keep stale ids: never read, the kernels stop at context_lens
-        s.block_tables[:seqs, : batch.block_tables.shape[1]].copy_(batch.block_tables)
-        s.context_lens[:seqs].copy_(batch.context_lens)
-        s.token_slots[:tokens].copy_(batch.token_slots)
+        dst += [s.block_tables[:seqs, : batch.block_tables.shape[1]], s.context_lens[:seqs]]
+        src += [batch.block_tables, batch.context_lens]
+        dst.append(s.token_slots[:tokens])
+        src.append(batch.token_slots)
+        if mixed:
+            assert batch.prefill_query_start is not None and s.prefill_query_start is not None
+            dst += [s.prefill_query_start[: seqs + 1], s.logits_indices[:seqs]]
+            src += [batch.prefill_query_start, batch.logits_indices]
+        torch._foreach_copy_(dst, src, non_blocking=True)
 
     def replay_decode(self, b: int, batch: ForwardBatch, lora: bool) -> torch.Tensor:
         """-> logits [b, vocab] float32 of a decode-only step padded to b rows."""
@@ -163,10 +170,6 @@ class StepGraphs:
 
     def replay_mixed(self, t: int, batch: ForwardBatch, lora: bool) -> torch.Tensor:
         """-> hidden states [segments, hidden] of the sampled rows of a step padded to t tokens."""
-        s, n = self._mixed_static, mixed_segments(t, self.max_num_seqs)
-        self._fill(s, batch, t, n)
-        assert batch.prefill_query_start is not None and s.prefill_query_start is not None
-        s.prefill_query_start[: n + 1].copy_(batch.prefill_query_start)
-        s.logits_indices[:n].copy_(batch.logits_indices)
+        self._fill(self._mixed_static, batch, t, mixed_segments(t, self.max_num_seqs), mixed=True)
         self._graph("mixed", t, lora).replay()
         return self._out[("mixed", t, lora)]

@@ -66,6 +66,31 @@ class Sampled:
     logprobs: list[TokenLogprob | None]  # per row; None where not asked for
 
 
+class TokenReadback:
+    """Pinned host buffers that steps' sampled tokens are copied into, in turn: no pinned
+    allocation a step. A buffer is reused DEPTH launches later; the engine reads each step back
+    within two, and a read of a buffer already reused raises instead of returning other tokens."""
+
+    DEPTH = 4
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * self.DEPTH
+        self._turn = 0  # launches so far
+
+    def copy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Queue the copy of `tokens` (int64 on the device) to the host; -> (its host view, turn)."""
+        i, n = self._turn % self.DEPTH, tokens.numel()
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[i] = torch.empty(max(n, 256), dtype=tokens.dtype, pin_memory=True)
+        self._turn += 1
+        return buf[:n].copy_(tokens, non_blocking=True), self._turn - 1
+
+    def check(self, turn: int) -> None:
+        if self._turn - turn > self.DEPTH:
+            raise RuntimeError("sampled tokens read back after their buffer was reused")
+
+
 @dataclass
 class LaunchedSample:
     """One step's sampling, queued on the device and not yet read back (`Sampler.finish`)."""
@@ -81,17 +106,23 @@ class LaunchedSample:
     # and an event after those copies; `finish` waits for that event, not for later steps
     host: list[torch.Tensor | None] | None = None
     copied: torch.cuda.Event | None = None
+    ring: TokenReadback | None = None  # where the tokens' host copy lives, and its turn there
+    ring_turn: int = 0
 
-    def start_readback(self) -> None:
-        """Queue the copies to the host (CUDA), so that reading them waits for this step only."""
+    def start_readback(self, ring: TokenReadback | None = None) -> None:
+        """Queue the copies to the host (CUDA), so that reading them waits for this step only;
+        the tokens go into `ring`'s pinned buffers when given."""
         if not self.tokens.is_cuda:
             return
         self.host = [
             None
             if t is None
             else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-            for t in (self.tokens, self.chosen, self.top_values, self.top_ids)
+            for t in (None if ring is not None else self.tokens, self.chosen, self.top_values, self.top_ids)
         ]
+        if ring is not None:
+            self.host[0], self.ring_turn = ring.copy(self.tokens)
+            self.ring = ring
         self.copied = torch.cuda.Event()
         self.copied.record()
 
@@ -101,6 +132,8 @@ class LaunchedSample:
             return self.tokens, self.chosen, self.top_values, self.top_ids
         assert self.copied is not None
         self.copied.synchronize()
+        if self.ring is not None:
+            self.ring.check(self.ring_turn)
         tokens, chosen, top_values, top_ids = self.host
         assert tokens is not None
         return tokens, chosen, top_values, top_ids
@@ -110,6 +143,7 @@ class Sampler:
     def __init__(self) -> None:
         self._seeds: dict[int, int] = {}  # seq_id -> 64-bit seed (drawn once for unseeded requests)
         self._counts: TokenCounts | None = None  # token counts of the penalized sequences
+        self._readback = TokenReadback()
 
     def seed(self, seq: Sequence) -> int:
         s = self._seeds.get(seq.seq_id)
@@ -157,7 +191,7 @@ class Sampler:
         out = LaunchedSample(tokens, seqs, wanted, [])
         if wanted:
             self._launch_logprobs(out, logits, [seqs[i] for i in wanted])
-        out.start_readback()
+        out.start_readback(self._readback)
         return out
 
     @staticmethod

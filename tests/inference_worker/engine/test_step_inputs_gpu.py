@@ -1,4 +1,5 @@
-"""A step's host tensors reach the device intact through the pinned ring (transfer.StepInputs):
+"""A step's host tensors reach the device intact through the pinned ring (transfer.StepInputs),
+and sampled tokens come back through theirs (sampler.TokenReadback):
 mixed dtypes and shapes, sizes that grow and shrink, more steps than the ring is deep, and copies
 queued while the device is busy."""
 
@@ -36,3 +37,19 @@ def test_ring_delivers_every_step_intact() -> None:
     for got, host in kept:
         for a, b in zip(got, host, strict=True):
             assert torch.equal(a.cpu(), b)
+
+
+def test_token_readback_ring_returns_each_steps_tokens_and_refuses_a_reused_buffer() -> None:
+    from loraserve.inference_worker.engine.sampler import TokenReadback
+
+    ring = TokenReadback()
+    steps = [torch.arange(n, device="cuda") * (n + 1) for n in (3, 300, 7, 1, 64)]
+    copies = [ring.copy(t) for t in steps[: TokenReadback.DEPTH]]
+    torch.cuda.synchronize()
+    for (host, turn), t in zip(copies, steps, strict=True):
+        ring.check(turn)
+        assert host.tolist() == t.tolist() and not host.is_cuda and host.is_pinned()
+    ring.copy(steps[-1])  # the first buffer again
+    with pytest.raises(RuntimeError, match="reused"):
+        ring.check(copies[0][1])
+    ring.check(copies[1][1])
