@@ -20,6 +20,7 @@ from loraserve.inference_worker.errors import Draining, InvalidRequest, NoAdapte
 from loraserve.inference_worker.metrics import WorkerMetrics
 from loraserve.inference_worker.model.chat_template import ChatMessage
 from loraserve.inference_worker.model.token_bytes import TokenBytes
+from loraserve.inference_worker.output_reader import OutputReader
 from loraserve.inference_worker.outputs_pb import ResponseBuilder, stream_message
 from loraserve.inference_worker.request_observer import RequestObserver
 from loraserve.serving.errors import status_of
@@ -158,9 +159,10 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             self.metrics.count_request(method, exc.code, request.adapter_id)
             raise
         self._calls.add(queue)
+        reader = OutputReader(queue)
         try:
             while True:
-                out = await queue.get()
+                out = await reader.next()
                 if out.last:  # all n completions ended, or one failed
                     finished = True
                     if out.error is not None:
