@@ -253,15 +253,16 @@ class ModelRunner:
         if g is not None:
             assert prev_tokens is not None
             batch.input_ids[g[0]] = prev_tokens[g[1]]
-        if plan.bucket or plan.mixed:
-            # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
-            # steps without adapter rows replay graphs without it
-            lora = self.adapters is not None and any(s >= 0 for s in batch.seq_slots)
-            if plan.bucket:
-                return self._graphs.replay_decode(plan.bucket, batch, lora)[: plan.num_sampled]
+        lora = self.adapters is not None and any(s >= 0 for s in batch.seq_slots)
+        # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
+        # steps without adapter rows replay graphs without it
+        if plan.bucket:
+            return self._graphs.replay_decode(plan.bucket, batch, lora)[: plan.num_sampled]
+        if plan.mixed:
             hidden = self._graphs.replay_mixed(plan.mixed, batch, lora)[: plan.num_sampled]
             return self.model.compute_logits(hidden)
-        if self.adapters is not None and any(s >= 0 for s in batch.seq_slots):
+        if lora:
+            assert self.adapters is not None
             batch.lora = self.adapters.lora_batch(batch.token_slots)
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

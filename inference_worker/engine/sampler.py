@@ -109,20 +109,20 @@ class LaunchedSample:
     ring: TokenReadback | None = None  # where the tokens' host copy lives, and its turn there
     ring_turn: int = 0
 
-    def start_readback(self, ring: TokenReadback | None = None) -> None:
-        """Queue the copies to the host (CUDA), so that reading them waits for this step only;
-        the tokens go into `ring`'s pinned buffers when given."""
+    def start_readback(self, ring: TokenReadback) -> None:
+        """Queue the copies to the host (CUDA), so that reading them waits for this step only: the
+        tokens into `ring`'s pinned buffers, the logprob tensors (rarely asked for) into new ones."""
         if not self.tokens.is_cuda:
             return
-        self.host = [
+        tokens, self.ring_turn = ring.copy(self.tokens)
+        self.ring = ring
+        self.host = [tokens]
+        self.host += [
             None
             if t is None
             else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-            for t in (None if ring is not None else self.tokens, self.chosen, self.top_values, self.top_ids)
+            for t in (self.chosen, self.top_values, self.top_ids)
         ]
-        if ring is not None:
-            self.host[0], self.ring_turn = ring.copy(self.tokens)
-            self.ring = ring
         self.copied = torch.cuda.Event()
         self.copied.record()
 

@@ -118,10 +118,7 @@ class Scheduler:
             if not self._reserve(seq, seq.num_computed_tokens + n, scheduled):
                 continue
             budget -= n
-            if todo == 1:
-                out.decodes.append(seq)
-            else:
-                out.prefills.append((seq, n))
+            self._place(out, seq, n, todo)
         if self._preempted:
             return out
         for seq in list(self.waiting):
@@ -148,12 +145,13 @@ class Scheduler:
                 seq.admitted_time = time.monotonic()
             self.running.append(seq)
             budget -= n
-            self._place(out, seq, n)
+            self._place(out, seq, n, seq.num_uncomputed_tokens)
         return out
 
     @staticmethod
-    def _place(out: ScheduledBatch, seq: Sequence, n: int) -> None:
-        if seq.num_uncomputed_tokens == 1:
+    def _place(out: ScheduledBatch, seq: Sequence, n: int, todo: int) -> None:
+        """`n` of the `todo` tokens `seq` has left to compute run this step."""
+        if todo == 1:
             out.decodes.append(seq)
         else:
             out.prefills.append((seq, n))
