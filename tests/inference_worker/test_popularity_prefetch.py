@@ -25,10 +25,13 @@ def generate(address: str, adapter_id: str):
 
 
 def held(address: str) -> set[str]:
+    """Adapters resident on the worker: in a GPU slot or the CPU tier (not still loading)."""
     from loraserve.clients.worker_client import WorkerClient
+    from loraserve.v1 import worker_pb2
 
+    resident = (worker_pb2.ADAPTER_TIER_GPU, worker_pb2.ADAPTER_TIER_CPU)
     with WorkerClient(address, timeout=10) as w:
-        return {a.adapter_id for a in w.list_adapters() if a.tier}
+        return {a.adapter_id for a in w.list_adapters() if a.tier in resident}
 
 
 @pytest.mark.redis
