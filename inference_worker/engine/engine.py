@@ -240,6 +240,7 @@ class LLMEngine:
         with self._lock:
             new, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
+            groups = list(self._by_request.values())  # submit() adds to it from other threads
         for seq in new:
             self.scheduler.add(seq)
         for rid in aborts:
@@ -247,8 +248,7 @@ class LLMEngine:
             for seq in aborted.seqs if aborted is not None else ():
                 self._finish(seq, FinishReason.CANCELLED)
         now = time.monotonic()
-        expired = [g for g in self._by_request.values() if (d := g.seqs[0].deadline) is not None and d <= now]
-        for group in expired:
+        for group in [g for g in groups if (d := g.seqs[0].deadline) is not None and d <= now]:
             for seq in group.seqs:
                 self._finish(seq, FinishReason.CANCELLED, error=DeadlineExceeded("deadline exceeded"))
 

@@ -333,3 +333,39 @@ def test_stream_interval_groups_tokens_without_changing_them(tiny_model_dir: Pat
         assert all(len(o.token_ids) == every for o in b[1:-1])
     assert one[2][-1].finish_reason is FinishReason.STOP
     assert len(grouped[0]) < len(one[0])
+
+
+def test_a_request_submitted_while_the_step_checks_deadlines_changes_nothing(
+    tiny_model_dir: Path, tok
+) -> None:
+    """submit() runs on the event loop while the step thread looks for expired deadlines: a request
+    added in the middle of that scan must neither break the step (and with it every running
+    request) nor be lost."""
+    engine = make_engine(tiny_model_dir)
+    ids = tok.encode("Hello world.").ids
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    outs: list[list[RequestOutput]] = [[] for _ in range(3)]
+    engine.submit(engine.make_sequence("r0", "", ids, params, outs[0].append))
+    engine.submit(engine.make_sequence("r1", "", ids, params, outs[1].append))
+
+    class SubmitsOnRead:  # the scan reads each running request's deadline
+        submitted = False
+
+        def __get__(self, seq, owner=None):
+            if seq is not None and not SubmitsOnRead.submitted:
+                SubmitsOnRead.submitted = True  # as if the event loop's submit ran just now
+                engine.submit(engine.make_sequence("r2", "", ids, params, outs[2].append))
+            return None
+
+        def __set__(self, seq, value) -> None:  # a data descriptor: the instance's value is not read
+            pass
+
+    seq0 = engine._by_request["r0"].seqs[0]
+    seq0.__class__ = type("ScannedSequence", (type(seq0),), {"deadline": SubmitsOnRead()})
+    for _ in range(50):
+        engine.step()
+        if all(o and o[-1].finished for o in outs):
+            break
+    assert SubmitsOnRead.submitted
+    assert [o[-1].error for o in outs] == [None, None, None]
+    assert [len(tokens(o)) for o in outs] == [3, 3, 3]
