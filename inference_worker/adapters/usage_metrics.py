@@ -67,21 +67,25 @@ class AdapterUsageMetrics:
 
     def observe_request(self, adapter_id: str, code: str) -> None:
         """A Generate call for `adapter_id` ended with status `code`."""
-        self._child(self.requests, self.labels.peek(_id_of(adapter_id)), code).inc()
+        self._child(self.requests, _id_of(adapter_id), code).inc()
 
     def observe_tokens(self, adapter_id: str, prompt_tokens: int, generated_tokens: int) -> None:
-        label = self.labels.peek(_id_of(adapter_id))
-        self._child(self.prompt_tokens, label).inc(prompt_tokens)
-        self._child(self.generated_tokens, label).inc(generated_tokens)
+        adapter_id = _id_of(adapter_id)
+        self._child(self.prompt_tokens, adapter_id).inc(prompt_tokens)
+        self._child(self.generated_tokens, adapter_id).inc(generated_tokens)
 
     def observe_load(self, adapter_id: str, tier: str, seconds: float) -> None:
-        self._child(self.load_seconds, self.labels.peek(_id_of(adapter_id)), tier).observe(seconds)
+        self._child(self.load_seconds, _id_of(adapter_id), tier).observe(seconds)
 
-    def _child(self, metric: Any, label: str, *more: str) -> Any:
-        values = (label, *more)
+    def _child(self, metric: Any, adapter_id: str, *more: str) -> Any:
+        """The series of `metric` for `adapter_id`'s label now. Observers run on the event loop and
+        the engine step thread while `arrived` (event loop) demotes adapters: the label is read,
+        and its series recorded and created, under the lock `_remove_series` takes, so a demotion
+        either is seen here (the sample goes to other) or removes the series made here."""
         with self._lock:
-            self._series.setdefault(label, set()).add((metric, values))
-        return metric.labels(*values)
+            values = (self.labels.peek(adapter_id), *more)
+            self._series.setdefault(values[0], set()).add((metric, values))
+            return metric.labels(*values)
 
     def _remove_series(self, adapter_id: str) -> None:
         with self._lock:

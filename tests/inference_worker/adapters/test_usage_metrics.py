@@ -4,7 +4,10 @@ own label, the rest are counted as "other", and a demoted adapter's series go aw
 from __future__ import annotations
 
 import random
+import threading
+from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from loraserve.inference_worker.adapters.usage_metrics import AdapterUsageMetrics
@@ -87,6 +90,63 @@ def test_a_demoted_adapter_loses_its_series() -> None:
     # c's first two uses (before it had a label) went to other; from the promotion on, its own
     assert value("loraserve_worker_per_adapter_requests_total", {"adapter": OTHER, "code": "OK"}) == 2
     assert value("loraserve_worker_per_adapter_requests_total", {"adapter": "c", "code": "OK"}) == 3
+
+
+class _SignallingLock:
+    """A lock that sets `waiting` when a thread finds it taken (and then blocks on it)."""
+
+    def __init__(self, waiting: threading.Event) -> None:
+        self._lock, self._waiting = threading.Lock(), waiting
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._waiting.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+@pytest.mark.parametrize("hooked", ["peek", "labels"])
+def test_a_demotion_between_label_lookup_and_series_creation_leaves_no_series(
+    monkeypatch: pytest.MonkeyPatch, hooked: str
+) -> None:
+    """The engine step thread observes a load of "a" while the event loop demotes "a": the demotion
+    runs exactly after the label is read (peek) or exactly before the series is created (labels),
+    and either removes that series or sends the sample to other; no series of "a" stays."""
+    registry = CollectorRegistry()
+    usage = AdapterUsageMetrics(registry, top_k=1)
+    usage.arrived("a")
+    usage.arrived("c")
+    usage.arrived("c")  # one more use of c takes a's label
+    progress = threading.Event()  # the demotion finished, or waits for the observer's lock
+    usage._lock = _SignallingLock(progress)  # type: ignore[assignment]
+
+    def demote() -> None:
+        usage.arrived("c")
+        progress.set()
+
+    demoter = threading.Thread(target=demote)
+    owner: Any = usage.labels if hooked == "peek" else usage.load_seconds
+    original = getattr(owner, hooked)
+
+    def hook(*args: str) -> Any:
+        result = original(*args) if hooked == "peek" else None  # after the lookup, before creation
+        if demoter.ident is None:  # once: in the first observation
+            demoter.start()
+            assert progress.wait(10)
+        return result if hooked == "peek" else original(*args)
+
+    monkeypatch.setattr(owner, hooked, hook)
+    usage.observe_load("a", "gpu", 0.5)
+    demoter.join(10)
+    assert not demoter.is_alive() and usage.labels.labelled == {"c"}
+    usage.observe_load("a", "gpu", 0.25)  # a's samples go to other from now on
+
+    value = registry.get_sample_value
+    assert value("loraserve_worker_per_adapter_load_seconds_count", {"adapter": "a", "tier": "gpu"}) is None
+    assert _label_values(registry)["loraserve_worker_per_adapter_load_seconds"] == {OTHER}
+    assert value("loraserve_worker_per_adapter_load_seconds_sum", {"adapter": OTHER, "tier": "gpu"}) == 0.25
 
 
 def test_labels_have_hysteresis_and_bounded_memory() -> None:
