@@ -1,0 +1,169 @@
+"""What serving one streamed token costs the worker's host, without a GPU.
+
+A real worker process (gRPC service, engine, scheduler, detokenizer; `loraserve worker` on a tiny
+model) whose runner answers fixed logits instead of calling the model, as in bench_host_step.py:
+the device's share of a step is gone and what is left is the host work a GPU worker does around
+it. The load generator (`loraserve bench`'s runner, closed loop) runs in this process on another
+core. Reported: the worker's CPU time per streamed token, split into its step thread and the rest
+(the event loop that streams, gRPC's threads), read from /proc, and the client's CPU share (when
+it nears 1.0 the client, not the worker, sets the rate).
+
+    python benchmarks/bench_host_serving.py [--concurrency 64] [--output-len 64] [--duration 8]
+        [--worker-arg=--stream-interval=4 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loraserve.clients.bench.results import summarize  # noqa: E402
+from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
+from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
+from loraserve.clients.bench.workload import RequestStream, WorkloadSpec  # noqa: E402
+
+# the worker's process: the runner answers fixed logits; the step thread's native id is written
+# to a file so its CPU time can be told apart from the rest of the process
+CHILD = """
+import sys, threading, torch
+from pathlib import Path
+from loraserve.inference_worker.engine import engine, model_runner
+from loraserve.inference_worker.server import main
+
+_logits = {}
+
+def run(self, plan, prev_tokens=None):
+    self.to_device(plan)
+    v = self.model.config.vocab_size
+    if v not in _logits:
+        _logits[v] = torch.randn(4096, v, generator=torch.Generator().manual_seed(0))
+    return _logits[v][: plan.num_sampled]
+
+model_runner.ModelRunner.run = run
+_loop = engine.LLMEngine._loop
+
+def loop(self):
+    Path(sys.argv[1]).write_text(str(threading.get_native_id()))
+    _loop(self)
+
+engine.LLMEngine._loop = loop
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def cpu_ticks(pid: int, tid: int | None = None) -> int:
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+async def drive(address: str, args: argparse.Namespace, duration: float) -> tuple[dict, float]:
+    target = WorkerTarget(address, Sampling())
+    await target.start()
+    vocab = await target.vocab_size()
+    spec = WorkloadSpec(
+        vocab_size=vocab or 32000,
+        adapter_ids=[],
+        base_share=1.0,
+        prompt_len=(args.prompt_len, args.prompt_len),
+        output_len=(args.output_len, args.output_len),
+        rate=None,
+        seed=1,
+    )
+    limits = RunLimits(None, duration, concurrency=args.concurrency, open_loop=False)
+    runner = Runner(target, limits, progress_interval_s=None, progress_out=io.StringIO())
+    cpu0 = time.process_time()
+    result = await runner.run(RequestStream(spec))
+    cpu = time.process_time() - cpu0
+    await target.close()
+    return summarize(result.records, duration_s=result.duration_s), cpu / max(result.duration_s, 1e-9)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--duration", type=float, default=8.0, help="measured seconds")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--worker-arg", action="append", default=[], help="extra `loraserve worker` flag")
+    p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, help="py-spy raw samples of the worker, to this file")
+    args = p.parse_args()
+
+    from loraserve.inference_worker.model.tiny import TinyLlamaSpec, write_tiny_llama
+
+    cores = sorted(os.sched_getaffinity(0))
+    client_core, worker_cores = cores[0], cores[1:] or cores
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_llama(Path(tmp) / "model", TinyLlamaSpec())
+        tid_file = Path(tmp) / "step-thread"
+        cmd = [
+            sys.executable, "-c", CHILD, str(tid_file),
+            "--model", str(model), "--device", "cpu", "--port", "0", "--log-level", "WARNING",
+            "--max-num-seqs", str(args.max_num_seqs), "--max-queue-size", str(4 * args.concurrency),
+            "--max-num-batched-tokens", "8192", "--kv-cache-mb", "512", *args.worker_arg,
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, text=True)
+        try:
+            os.sched_setaffinity(proc.pid, set(worker_cores))
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # "worker ... listening on host:port"
+            if "listening on" not in line:
+                raise RuntimeError(f"the worker did not start: {line!r}")
+            address = line.rsplit(" ", 1)[1].strip()
+            os.sched_setaffinity(0, {client_core})
+            asyncio.run(drive(address, args, args.warmup))
+            step_tid = int(tid_file.read_text())
+            spy = None
+            if args.profile:  # py-spy at 100 Hz, native frames off: the Python of both threads
+                spy = subprocess.Popen(
+                    ["py-spy", "record", "-p", str(proc.pid), "-r", "100", "-d", str(int(args.duration)),
+                     "-f", "raw", "-o", args.profile],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+            w0, s0, t0 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), time.perf_counter()
+            summary, client_share = asyncio.run(drive(address, args, args.duration))
+            w1, s1, wall = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), time.perf_counter() - t0
+            if spy is not None:
+                spy.wait(60)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    hz = os.sysconf("SC_CLK_TCK")
+    tokens = int(summary["total_output_tokens"])  # type: ignore[call-overload]
+    if not tokens:
+        raise RuntimeError(f"no tokens were streamed: {summary}")
+    row = {
+        "worker_args": " ".join(args.worker_arg),
+        "concurrency": args.concurrency,
+        "output_len": args.output_len,
+        "requests_per_s": summary["request_throughput"],
+        "tokens_per_s": summary["output_token_throughput"],
+        "failed": summary["failed"],
+        "worker_cpu_share": round((w1 - w0) / hz / wall, 3),
+        "worker_us_per_token": round(1e6 * (w1 - w0) / hz / tokens, 1),
+        "step_thread_us_per_token": round(1e6 * (s1 - s0) / hz / tokens, 1),
+        "rest_us_per_token": round(1e6 * ((w1 - w0) - (s1 - s0)) / hz / tokens, 1),
+        "client_cpu_share": round(client_share, 3),
+    }
+    print(json.dumps(row))
+    if args.json:
+        Path(args.json).write_text(json.dumps(row, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""The host-serving benchmark end to end, briefly: a worker process on fixed logits streams to the
+load generator, and the CPU it spent per token is read back, split by thread."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_host_serving_benchmark_smoke(tmp_path):
+    out = tmp_path / "host.json"
+    args = [
+        sys.executable, str(ROOT / "benchmarks" / "bench_host_serving.py"), "--concurrency", "8",
+        "--output-len", "8", "--duration", "1.5", "--warmup", "0.5", "--max-num-seqs", "8",
+        "--worker-arg=--stream-interval=2", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    row = json.loads(out.read_text())
+    assert row["failed"] == 0 and row["tokens_per_s"] > 0, row
+    assert row["worker_args"] == "--stream-interval=2"
+    assert row["worker_us_per_token"] > 0 and row["step_thread_us_per_token"] > 0, row
+    total = row["step_thread_us_per_token"] + row["rest_us_per_token"]
+    assert total == pytest.approx(row["worker_us_per_token"], abs=0.2), row
