@@ -116,6 +116,44 @@ async def _run_rate(address: str, rate: float, args: argparse.Namespace) -> dict
     }
 
 
+async def _bare_rate(address: str, rate: float, args: argparse.Namespace) -> dict[str, object]:
+    """The transport's floor: the same request stream sent by a bare loop (a gRPC asyncio stub,
+    each stream read and dropped; nothing timed, nothing recorded), its CPU share at `rate`."""
+    import grpc
+
+    from loraserve.clients.worker_client import build_request
+    from loraserve.v1 import worker_pb2_grpc
+
+    spec = WorkloadSpec(
+        adapter_ids=adapter_ids(args.num_adapters),
+        popularity="zipf",
+        prompt_len=(args.prompt_len, args.prompt_len),
+        output_len=(args.output_len, args.output_len),
+        rate=rate,
+        seed=1,
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.InferenceWorkerStub(channel)
+
+        async def one(request) -> None:
+            prompt, adapter, n = request.prompt, request.adapter_id, request.max_tokens
+            async for _ in stub.GenerateStream(build_request(prompt, adapter_id=adapter, max_tokens=n)):
+                pass
+
+        tasks = []
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        for request in RequestStream(spec):
+            if request.arrival_s >= args.duration:
+                break
+            delay = request.arrival_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(request)))
+        await asyncio.gather(*tasks)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"offered_rate": rate, "requests": len(tasks), "cpu_share": round(cpu / wall, 3)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="50,100,200,400,800", help="offered Poisson rates, req/s")
@@ -124,6 +162,12 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--num-adapters", type=int, default=1000)
     p.add_argument("--tpot-ms", type=float, default=20.0, help="token server's gap between tokens")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="then send the highest sustained rate's stream again, with the generator and with a "
+        "bare gRPC read loop, one after the other: the share of the core each takes",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
@@ -133,6 +177,7 @@ def main() -> int:
     port_q = ctx.Queue()
     server = ctx.Process(target=_token_server, args=(port_q, args.tpot_ms / 1e3, server_cores), daemon=True)
     server.start()
+    floor: dict[str, object] | None = None
     try:
         address = f"127.0.0.1:{port_q.get(timeout=60)}"
         os.sched_setaffinity(0, {client_core})
@@ -143,6 +188,12 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             if not row["sustained"]:
                 break
+        best = max((r for r in rows if r["sustained"]), key=lambda r: r["achieved_rate"], default=None)
+        if args.floor and best is not None:
+            rate = float(best["offered_rate"])  # type: ignore[arg-type]
+            floor = asyncio.run(_bare_rate(address, rate, args))
+            floor["generator_cpu_share"] = asyncio.run(_run_rate(address, rate, args))["cpu_share"]
+            print(json.dumps({"floor": floor}), flush=True)
     finally:
         server.terminate()
         server.join(5)
@@ -155,10 +206,17 @@ def main() -> int:
         "max_sustained_rate": sustained,
         "rows": rows,
     }
+    if floor is not None:
+        out["transport_floor"] = floor
     print(
         f"\ngenerator on one core sustains {sustained} req/s at {args.output_len} output tokens "
         f"({sustained * args.output_len:.0f} streamed messages/s)"
     )
+    if floor is not None:
+        print(
+            f"at {floor['offered_rate']} req/s the generator keeps its core {floor['generator_cpu_share']} busy, "
+            f"a bare gRPC read loop of the same streams {floor['cpu_share']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
