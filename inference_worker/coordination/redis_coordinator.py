@@ -11,7 +11,7 @@
                                   {event: replaced|deleted, adapter_id, digest} there too
 
 Soft state only. When Redis cannot be reached, calls degrade instead of failing the caller (the
-engine's step thread uses this): the clock continues locally, writes are dropped, reads return
+worker's coordination thread must keep going): the clock continues locally, writes are dropped, reads return
 nothing, and for `backoff_s` Redis is not tried again. On the first successful call after an
 outage this worker's residency and pins — kept in a local shadow, the worker's own truth — are
 republished, so Redis converges back.
@@ -138,19 +138,21 @@ class RedisCoordinator:
         self._call(lambda: self._redis.hdel(self._key("residency", worker_id), adapter_id))
 
     def residencies(self, worker_id: str | None = None) -> list[Residency]:
+        with self._lock:  # the shadow's writers hold it
+            shadow = list(self._shadow_residency.items())
         workers = (
             [worker_id]
             if worker_id is not None
             else sorted(
                 self._call(lambda: self._redis.smembers(self._key("workers")), set())
-                | {w for w, _ in self._shadow_residency}
+                | {w for (w, _), _ in shadow}
             )
         )
         out: list[Residency] = []
         for w in workers:
             entries = self._call(functools.partial(self._redis.hgetall, self._key("residency", w)), None)
             if entries is None:  # unreachable: this worker's own shadow is still known
-                out += [r for (sw, _), r in self._shadow_residency.items() if sw == w]
+                out += [r for (sw, _), r in shadow if sw == w]
                 continue
             for adapter_id, raw in entries.items():
                 d = json.loads(raw)
