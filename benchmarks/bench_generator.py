@@ -77,10 +77,9 @@ def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
     asyncio.run(serve())
 
 
-async def _run_rate(address: str, rate: float, args: argparse.Namespace) -> dict[str, object]:
-    target = WorkerTarget(address, Sampling())
-    await target.start()
-    spec = WorkloadSpec(
+def _spec(rate: float, args: argparse.Namespace) -> WorkloadSpec:
+    """The measured request stream at `rate`: Zipf over the adapters, fixed lengths, seeded."""
+    return WorkloadSpec(
         adapter_ids=adapter_ids(args.num_adapters),
         popularity="zipf",
         prompt_len=(args.prompt_len, args.prompt_len),
@@ -88,6 +87,12 @@ async def _run_rate(address: str, rate: float, args: argparse.Namespace) -> dict
         rate=rate,
         seed=1,
     )
+
+
+async def _run_rate(address: str, rate: float, args: argparse.Namespace) -> dict[str, object]:
+    target = WorkerTarget(address, Sampling())
+    await target.start()
+    spec = _spec(rate, args)
     runner = Runner(
         target, RunLimits(None, args.duration), progress_interval_s=None, progress_out=io.StringIO()
     )
@@ -124,14 +129,7 @@ async def _bare_rate(address: str, rate: float, args: argparse.Namespace) -> dic
     from loraserve.clients.worker_client import build_request
     from loraserve.v1 import worker_pb2_grpc
 
-    spec = WorkloadSpec(
-        adapter_ids=adapter_ids(args.num_adapters),
-        popularity="zipf",
-        prompt_len=(args.prompt_len, args.prompt_len),
-        output_len=(args.output_len, args.output_len),
-        rate=rate,
-        seed=1,
-    )
+    spec = _spec(rate, args)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.InferenceWorkerStub(channel)
 
