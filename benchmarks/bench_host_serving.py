@@ -33,24 +33,16 @@ from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
 from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
 from loraserve.clients.bench.workload import RequestStream, WorkloadSpec  # noqa: E402
 
-# the worker's process: the runner answers fixed logits; the step thread's native id is written
-# to a file so its CPU time can be told apart from the rest of the process
+# the worker's process: the runner answers fixed logits (bench_host_step's); the step thread's
+# native id is written to a file so its CPU time can be told apart from the rest of the process
 CHILD = """
-import sys, threading, torch
+import sys, threading
 from pathlib import Path
+from benchmarks.bench_host_step import fixed_logits_run
 from loraserve.inference_worker.engine import engine, model_runner
 from loraserve.inference_worker.server import main
 
-_logits = {}
-
-def run(self, plan, prev_tokens=None):
-    self.to_device(plan)
-    v = self.model.config.vocab_size
-    if v not in _logits:
-        _logits[v] = torch.randn(4096, v, generator=torch.Generator().manual_seed(0))
-    return _logits[v][: plan.num_sampled]
-
-model_runner.ModelRunner.run = run
+model_runner.ModelRunner.run = fixed_logits_run
 _loop = engine.LLMEngine._loop
 
 def loop(self):

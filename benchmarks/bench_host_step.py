@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import statistics
 import sys
@@ -36,16 +37,24 @@ VOCAB = 512
 PROMPT_LEN = 128
 
 
+@functools.cache
+def _fixed_logits(vocab: int) -> torch.Tensor:
+    return torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
+
+
+def fixed_logits_run(
+    runner: ModelRunner, plan: StepPlan, prev_tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`ModelRunner.run` without the model: the step's inputs go to the device as in the real
+    runner, and the logits are fixed rows over the model's vocabulary."""
+    runner.to_device(plan)
+    return _fixed_logits(runner.model.config.vocab_size)[: plan.num_sampled]
+
+
 class FixedLogitsRunner(ModelRunner):
     """Plans every step as the real runner does, then answers fixed logits instead of the model."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._logits = torch.randn(4096, VOCAB, generator=torch.Generator().manual_seed(0))
-
-    def run(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        self.to_device(plan)
-        return self._logits[: plan.num_sampled]
+    run = fixed_logits_run
 
 
 def make_engine(batch: int, max_len: int) -> LLMEngine:

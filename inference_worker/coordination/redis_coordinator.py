@@ -11,10 +11,10 @@
                                   {event: replaced|deleted, adapter_id, digest} there too
 
 Soft state only. When Redis cannot be reached, calls degrade instead of failing the caller (the
-worker's coordination thread must keep going): the clock continues locally, writes are dropped, reads return
-nothing, and for `backoff_s` Redis is not tried again. On the first successful call after an
-outage this worker's residency and pins — kept in a local shadow, the worker's own truth — are
-republished, so Redis converges back.
+worker's coordination thread must keep going): the clock continues locally, writes are dropped,
+reads return nothing, and for `backoff_s` Redis is not tried again. On the first successful call
+after an outage this worker's residency and pins — kept in a local shadow, the worker's own
+truth — are republished, so Redis converges back.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class ModelRunner:
             token_slots += [-1] * extra
             logits_idx += range(len(logits_idx), pad_to)
         elif mixed:  # tokens in no segment and segments of no tokens, on the reserved block 0
-            extra, n_segs = mixed - len(ids), self.mixed_segments(mixed)
+            extra, n_segs = mixed - len(ids), mixed_segments(mixed, self.max_num_seqs)
             segs = n_segs - n_real
             ids += [0] * extra
             pos += [0] * extra
@@ -192,10 +192,6 @@ class ModelRunner:
             mixed=mixed or 0,
         )
         return plan, sample_seqs
-
-    def mixed_segments(self, tokens: int) -> int:
-        """Segments of the graph for steps with prefill chunks padded to `tokens` tokens."""
-        return mixed_segments(tokens, self.max_num_seqs)
 
     def to_device(self, plan: StepPlan) -> ForwardBatch:
         return self._to_device(plan)[0]

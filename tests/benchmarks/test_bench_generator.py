@@ -4,25 +4,19 @@ rate, and the transport floor (the same stream read by a bare gRPC loop) beside 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.benchmark_scripts import run_script
 
 
 @pytest.mark.slow
 def test_generator_benchmark_smoke(tmp_path):
     out = tmp_path / "generator.json"
-    args = [
-        sys.executable, str(ROOT / "benchmarks" / "bench_generator.py"), "--rates", "20",
-        "--duration", "1", "--output-len", "4", "--tpot-ms", "1", "--num-adapters", "10",
-        "--floor", "--json", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_script(
+        "bench_generator.py", "--rates", "20", "--duration", "1", "--output-len", "4", "--tpot-ms", "1",
+        "--num-adapters", "10", "--floor", "--json", str(out), timeout=120,
+    )  # fmt: skip
     got = json.loads(out.read_text())
     (row,) = got["rows"]
     assert row["sustained"] and row["failed"] == 0 and row["completed"] > 0, row

@@ -4,25 +4,20 @@ load generator, and the CPU it spent per token is read back, split by thread."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.benchmark_scripts import run_script
 
 
 @pytest.mark.slow
 def test_host_serving_benchmark_smoke(tmp_path):
     out = tmp_path / "host.json"
-    args = [
-        sys.executable, str(ROOT / "benchmarks" / "bench_host_serving.py"), "--concurrency", "8",
-        "--output-len", "8", "--duration", "1.5", "--warmup", "0.5", "--max-num-seqs", "8",
-        "--worker-arg=--stream-interval=2", "--json", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_script(
+        "bench_host_serving.py", "--concurrency", "8", "--output-len", "8", "--duration", "1.5",
+        "--warmup", "0.5", "--max-num-seqs", "8", "--worker-arg=--stream-interval=2", "--json", str(out),
+        timeout=120,
+    )  # fmt: skip
     row = json.loads(out.read_text())
     assert row["failed"] == 0 and row["tokens_per_s"] > 0, row
     assert row["worker_args"] == "--stream-interval=2"

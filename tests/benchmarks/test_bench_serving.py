@@ -5,13 +5,10 @@ sharing a real Redis."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.benchmark_scripts import run_script
 
 
 @pytest.mark.slow
@@ -19,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
     out = tmp_path / "serving.json"
     args = [
-        sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"),
         "--workdir", str(tmp_path / "work"), "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
         "--num-adapters", "12", "--ns", "2,12", "--max-loras", "2", "--max-cpu-loras", "6",
         "--store-cache", "3", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
@@ -27,8 +23,7 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
         "--duration", "1.5", "--prefetch", "6", "--prefetch-warmup", "1.5", "--prefetch-duration", "1.5",
         "--redis-url", redis_url, "--redis-prefix", redis_prefix, "--processes", "2", "--json", str(out),
     ]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_script("bench_serving.py", *args, timeout=280)
     got = json.loads(out.read_text())
     for n in ("2", "12"):
         row = got["n"][n]

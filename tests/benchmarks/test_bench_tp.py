@@ -4,23 +4,16 @@ cannot rot while no multi-GPU machine runs it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.benchmark_scripts import run_script
 from tests.inference_worker.parallel.conftest import needs_gloo
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_tp.py"
 
 
 def test_help_runs_from_anywhere(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, cwd=tmp_path
-    )
-    assert done.returncode == 0 and "--shape" in done.stdout and "--device" in done.stdout
+    done = run_script("bench_tp.py", "--help", timeout=60, cwd=tmp_path)
+    assert "--shape" in done.stdout and "--device" in done.stdout
 
 
 @needs_gloo
@@ -28,10 +21,9 @@ def test_help_runs_from_anywhere(tmp_path):
 @pytest.mark.timeout(120)
 def test_cpu_smoke_mode(tmp_path):
     out = tmp_path / "tp.json"
-    args = [sys.executable, str(SCRIPT), "--device", "cpu", "--shape", "tiny", "--batches", "1,2"]
+    args = ["--device", "cpu", "--shape", "tiny", "--batches", "1,2"]
     args += ["--adapters", "0,2", "--tokens", "2", "--reps", "1", "--json", str(out)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=110, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_script("bench_tp.py", *args, timeout=110, cwd=tmp_path)
     results = {r["tp"]: r for r in json.loads(out.read_text())}
     assert set(results) == {1, 2}
     for tp, r in results.items():

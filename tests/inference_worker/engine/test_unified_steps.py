@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.inference_worker.engine.cuda_graphs import mixed_segments
 from loraserve.inference_worker.engine.engine import LLMEngine
 from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
@@ -78,7 +79,7 @@ def test_padding_a_step_to_a_graph_shape_changes_no_logit(tiny_model_dir: Path) 
             for pad in (tokens, tokens + 5):
                 padded, padded_seqs = runner.plan(sched, None, mixed=pad)
                 assert padded_seqs == seqs
-                segments = runner.mixed_segments(pad)  # the graph's shape, whatever samples
+                segments = mixed_segments(pad, runner.max_num_seqs)  # the graph's shape, whatever samples
                 assert (padded.num_tokens, padded.num_seqs, padded.num_logits) == (pad, segments, segments)
                 torch.testing.assert_close(
                     eager_logits(runner, padded), eager_logits(runner, plain), rtol=1e-5, atol=1e-5
