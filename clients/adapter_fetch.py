@@ -19,18 +19,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-import torch
 
-from loraserve.contract.adapter_layout import DTYPES, LAYOUT_VERSION
+from loraserve.contract.adapter_layout import DTYPES, ITEMSIZES, LAYOUT_VERSION
 from loraserve.contract.chunk_codec import decode_response
-from loraserve.contract.payload import TORCH_DTYPES, tensor_view
 from loraserve.v1 import store_pb2
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: a download into numpy needs none
+    import torch
 
 # A broken stream ends with one of these; anything else (NOT_FOUND, ...) is the server's answer.
 FETCH_METHOD = "/loraserve.v1.AdapterStore/FetchAdapter"
@@ -54,7 +55,7 @@ class DataLossError(FetchError):
 @dataclass
 class FetchedAdapter:
     manifest: store_pb2.AdapterManifest
-    buffer: torch.Tensor  # [total_bytes] uint8
+    buffer: torch.Tensor | None  # [total_bytes] uint8 (None for a download into a numpy array)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # views into buffer
 
     @property
@@ -74,19 +75,28 @@ class AdapterDownload:
     """State of one download; keep it to resume later with `fetch_adapter(..., download=d)`."""
 
     def __init__(
-        self, adapter_id: str, *, pin_memory: bool | None = None, buffer: torch.Tensor | None = None
+        self,
+        adapter_id: str,
+        *,
+        pin_memory: bool | None = None,
+        buffer: torch.Tensor | None = None,
+        allocate: Callable[[int], np.ndarray] | None = None,
     ) -> None:
-        """buffer: an optional preallocated 1-D uint8 tensor to fill (its first total_bytes are used)."""
+        """buffer: an optional preallocated 1-D uint8 tensor to fill (its first total_bytes are used);
+        allocate: instead, a function that returns a writable 1-D uint8 numpy array for the
+        manifest's total_bytes (called once): the download then makes no tensor (nor imports torch),
+        and `finish` checks the digest only."""
         self.adapter_id = adapter_id
         self.manifest: store_pb2.AdapterManifest | None = None
         self._given = buffer
+        self._allocate = allocate
         self.buffer: torch.Tensor | None = None
         self.received = 0  # bytes [0, received) are in buffer
         self._np: np.ndarray | None = None
         self._hasher = (
             hashlib.sha256()
         )  # over [0, received): chunks arrive in order, hashing overlaps receiving
-        self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._pin = pin_memory  # None: pinned where CUDA is available
 
     def request(self, digest: str = "") -> store_pb2.FetchAdapterRequest:
         want = self.manifest.digest if self.manifest is not None else digest
@@ -129,7 +139,7 @@ class AdapterDownload:
                 f"layout version {m.layout_version} is not supported (expected {LAYOUT_VERSION})"
             )
         for t in m.tensors:
-            itemsize = TORCH_DTYPES[t.dtype].itemsize if t.dtype in TORCH_DTYPES else 0
+            itemsize = ITEMSIZES.get(t.dtype, 0)
             nbytes = int(np.prod(t.shape, dtype=np.int64)) * itemsize
             if (
                 t.dtype not in DTYPES
@@ -142,6 +152,16 @@ class AdapterDownload:
                     f"offset {t.offset}, {t.nbytes} bytes of {m.total_bytes})"
                 )
         self.manifest = m
+        if self._allocate is not None:
+            out = self._allocate(m.total_bytes)
+            if out.dtype != np.uint8 or out.ndim != 1 or out.size < m.total_bytes or not out.flags.writeable:
+                raise FetchError(
+                    f"the allocated array cannot hold {m.total_bytes} bytes (writable 1-D uint8)"
+                )
+            self._np = out[: m.total_bytes]
+            return
+        import torch
+
         if self._given is not None:
             if (
                 self._given.dtype != torch.uint8
@@ -152,7 +172,8 @@ class AdapterDownload:
                 raise FetchError(f"the given buffer cannot hold {m.total_bytes} bytes (1-D CPU uint8 needed)")
             self.buffer = self._given[: m.total_bytes]
         else:
-            self.buffer = torch.empty(m.total_bytes, dtype=torch.uint8, pin_memory=self._pin)
+            pin = torch.cuda.is_available() if self._pin is None else self._pin
+            self.buffer = torch.empty(m.total_bytes, dtype=torch.uint8, pin_memory=pin)
         self._np = self.buffer.numpy()
 
     def _write(self, offset: int, data: bytes | memoryview) -> None:
@@ -170,13 +191,17 @@ class AdapterDownload:
 
     def finish(self) -> FetchedAdapter:
         """Check the digest and build the tensor views."""
-        assert self.manifest is not None and self.buffer is not None and self._np is not None
+        assert self.manifest is not None and self._np is not None
         actual = self._hasher.hexdigest()
         if actual != self.manifest.digest:
             raise DataLossError(
                 f"adapter {self.adapter_id!r}: payload sha256 {actual} does not match "
                 f"the manifest digest {self.manifest.digest}"
             )
+        if self.buffer is None:  # downloaded into the caller's numpy array
+            return FetchedAdapter(self.manifest, None)
+        from loraserve.contract.payload import tensor_view
+
         tensors = {t.name: tensor_view(self.buffer, t) for t in self.manifest.tensors}
         return FetchedAdapter(self.manifest, self.buffer, tensors)
 
@@ -257,10 +282,12 @@ def fetch_adapter(
     metadata: Sequence[tuple[str, str]] | None = None,
     pin_memory: bool | None = None,
     buffer: torch.Tensor | None = None,
+    allocate: Callable[[int], np.ndarray] | None = None,
 ) -> FetchedAdapter:
     """Fetch through a sync channel (fastest) or `AdapterStoreStub`; resumes a broken stream up to
-    max_retries times. digest: expected digest (FAILED_PRECONDITION from the store when it differs)."""
-    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
+    max_retries times. digest: expected digest (FAILED_PRECONDITION from the store when it differs).
+    allocate: given the payload's size, the buffer to fill (see AdapterDownload)."""
+    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer, allocate=allocate)
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
     while True:
         error: grpc.RpcError | None = None

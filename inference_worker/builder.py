@@ -143,7 +143,12 @@ def store_source(config: WorkerConfig) -> StoreSource:
     if config.store_tls_ca:
         with open(config.store_tls_ca, "rb") as f:
             tls_ca = f.read()
-    return StoreSource(config.store_address, token=config.store_token or "", tls_root_cert=tls_ca)
+    return StoreSource(
+        config.store_address,
+        token=config.store_token or "",
+        tls_root_cert=tls_ca,
+        fetch_process=config.fetch_process,
+    )
 
 
 def build_adapters(

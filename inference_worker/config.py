@@ -57,6 +57,8 @@ _HELP = {
     "complementary placement gives this worker, in place of colder CPU cache entries (0 = off)",
     "adapter_poll_interval_s": "seconds between checks of the store for re-registered or deleted adapters",
     "store_address": "adapter store address host:port (adapters disabled when empty)",
+    "fetch_process": "receive adapters from the store in a child process, handed over through shared "
+    "memory (/dev/shm; in the worker's own process where there is none)",
     "store_token": "bearer token sent to the store",
     "store_tls_ca": "PEM CA bundle to verify the store's TLS certificate",
     "redis_url": "Redis URL for coordination (in-process coordination when empty)",
@@ -103,6 +105,7 @@ class WorkerConfig:
     adapter_prefetch: int = 8
     adapter_poll_interval_s: float = 2.0
     store_address: str = ""
+    fetch_process: bool = True
     store_token: str | None = field(default=None, repr=False)
     store_tls_ca: str | None = None
     redis_url: str | None = None

@@ -1,17 +1,18 @@
 """Where the worker gets adapters: the adapter store over gRPC (FetchAdapter stream, digest
 checked by clients/adapter_fetch.py). Turns the store's answers into adapter failures.
 
-A fetch runs on one of a few fetch threads over a sync channel, not on the worker's event loop:
-receiving, copying and hashing tens of MB per adapter there would stall every token stream the
-loop serves (measured under serving load at 1,000 adapters: the loop spent a third of its time in
-fetches). The thread waits on the network without the interpreter lock and hashes without it.
-Listings (the store check's ListAdapters) take the same threads and channel."""
+A fetch runs in the worker's fetch process (inference_worker/fetching) where it can, else on one of a few
+fetch threads over a sync channel; never on the worker's event loop: receiving, copying and
+hashing tens of MB per adapter there would stall every token stream the loop serves (measured under
+serving load at 1,000 adapters: the loop spent a third of its time in fetches). Listings (the
+store check's ListAdapters) take the threads and their channel."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -29,8 +30,13 @@ from loraserve.inference_worker.lora.payload import AdapterPayload
 
 if TYPE_CHECKING:
     import grpc
+    import torch
+
+    from loraserve.inference_worker.fetching.process import FetchFailure, FetchProcess
+    from loraserve.v1 import store_pb2
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = [
     # reconnect quickly once the store is back (the default backoff grows to minutes)
@@ -54,7 +60,9 @@ class StoreSource:
         max_retries: int = 2,
         tls_root_cert: bytes | None = None,
         max_fetches: int = 4,
+        fetch_process: bool = False,
     ) -> None:
+        """fetch_process: fetch in a child process (inference_worker/fetching) where shared memory allows."""
         self.address = address
         self._metadata: Sequence[tuple[str, str]] | None = bearer_metadata(token)
         self._timeout_s, self._max_retries = timeout_s, max_retries
@@ -62,6 +70,26 @@ class StoreSource:
         self._max_fetches = max_fetches
         self._channel: grpc.Channel | None = None
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._process: FetchProcess | None = None
+        if fetch_process:
+            from loraserve.inference_worker.fetching import process as fp
+
+            if fp.FetchProcess.supported():
+                self._process = fp.FetchProcess(
+                    address,
+                    timeout_s=timeout_s,
+                    max_retries=max_retries,
+                    tls_root_cert=tls_root_cert,
+                    max_fetches=max_fetches,
+                    options=CHANNEL_OPTIONS,
+                )
+            else:
+                log.info("no shared memory at %s: adapters are fetched in the worker's process", fp.SHM_DIR)
+
+    def start(self) -> None:
+        """Start the fetch process now (else the first fetch does)."""
+        if self._process is not None:
+            self._process.start()
 
     async def _on_thread(self, call: Callable[[grpc.Channel], T], adapter_id: str = "") -> T:
         """`call(channel)` on a fetch thread; its gRPC errors become adapter failures."""
@@ -86,11 +114,31 @@ class StoreSource:
             raise DependencyUnavailable(f"{doing} stopped: {exc}") from None
 
     async def fetch(self, adapter_id: str, digest: str = "") -> AdapterPayload:
-        from loraserve.clients.adapter_fetch import DataLossError, FetchError, fetch_adapter
         from loraserve.serving import tracing
 
-        # the fetch thread sends the trace context of the span this coroutine runs in
+        # the fetch sends the trace context of the span this coroutine runs in
         metadata = tracing.inject(self._metadata) if tracing.enabled() else self._metadata
+        if self._process is not None:
+            from loraserve.inference_worker.fetching import process as fp
+            from loraserve.v1 import store_pb2
+
+            try:
+                got = await self._process.fetch(adapter_id, digest, metadata)
+            except fp.Unavailable as exc:
+                log.warning("adapter %r fetched in-process: %s", adapter_id, exc)
+            except fp.ProcessGone as exc:
+                raise DependencyUnavailable(f"fetching adapter {adapter_id!r} stopped: {exc}") from None
+            except fp.FetchFailure as exc:
+                raise _failure_in_process(exc, adapter_id) from None
+            else:
+                return _payload(store_pb2.AdapterManifest.FromString(got.manifest), got.buffer, adapter_id)
+        return await self._fetch_here(adapter_id, digest, metadata)
+
+    async def _fetch_here(
+        self, adapter_id: str, digest: str, metadata: Sequence[tuple[str, str]] | None
+    ) -> AdapterPayload:
+        from loraserve.clients.adapter_fetch import DataLossError, FetchError, fetch_adapter
+
         run = functools.partial(
             fetch_adapter,  # given the channel itself: chunks are decoded straight into the buffer
             adapter_id=adapter_id,
@@ -107,14 +155,8 @@ class StoreSource:
             raise DependencyUnavailable(
                 f"fetching adapter {adapter_id!r} from the store failed: {exc}"
             ) from None
-        m = fetched.manifest
-        tensors = [
-            PayloadTensor(t.name, tuple(int(s) for s in t.shape), t.dtype, int(t.offset), int(t.nbytes))
-            for t in m.tensors
-        ]
-        return AdapterPayload(
-            m.adapter.adapter_id or adapter_id, m.digest, int(m.rank), fetched.buffer, tensors
-        )
+        assert fetched.buffer is not None  # fetched into a tensor of its own
+        return _payload(fetched.manifest, fetched.buffer, adapter_id)
 
     async def digests(self) -> dict[str, str]:
         """adapter id -> digest of everything registered (ListAdapters, all pages)."""
@@ -138,6 +180,8 @@ class StoreSource:
                 return out
 
     async def close(self) -> None:
+        if self._process is not None:
+            await asyncio.to_thread(self._process.close)
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
             self._threads = None
@@ -146,11 +190,35 @@ class StoreSource:
             self._channel = None
 
 
-def failure_of(exc: grpc.RpcError, adapter_id: str) -> WorkerError:
-    """The adapter failure for a store RPC error."""
+def _payload(m: store_pb2.AdapterManifest, buffer: torch.Tensor, adapter_id: str) -> AdapterPayload:
+    tensors = [
+        PayloadTensor(t.name, tuple(int(s) for s in t.shape), t.dtype, int(t.offset), int(t.nbytes))
+        for t in m.tensors
+    ]
+    return AdapterPayload(m.adapter.adapter_id or adapter_id, m.digest, int(m.rank), buffer, tensors)
+
+
+def _failure_in_process(exc: FetchFailure, adapter_id: str) -> WorkerError:
+    """The adapter failure for what the fetch process reported (fetching.process.FetchFailure)."""
     import grpc
 
-    code, details = exc.code(), exc.details() or ""
+    if exc.kind == "rpc":
+        code = getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN)
+        return failure_for(code, exc.message, adapter_id)
+    if exc.kind == "data_loss":
+        return AdapterCorrupt(exc.message)
+    return DependencyUnavailable(f"fetching adapter {adapter_id!r} from the store failed: {exc.message}")
+
+
+def failure_of(exc: grpc.RpcError, adapter_id: str) -> WorkerError:
+    """The adapter failure for a store RPC error."""
+    return failure_for(exc.code(), exc.details() or "", adapter_id)
+
+
+def failure_for(code: grpc.StatusCode, details: str, adapter_id: str) -> WorkerError:
+    """The adapter failure for a store RPC's status."""
+    import grpc
+
     what = f"adapter {adapter_id!r}" if adapter_id else "the adapter store"
     if code == grpc.StatusCode.NOT_FOUND:
         return AdapterNotFound(details or f"{what} is not registered")

@@ -86,8 +86,12 @@ class WorkerAdapters:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop, on_fetched: Callable[[], None]) -> None:
-        """Fetches and the store check run on `loop`; `on_fetched` wakes the engine when a fetch ends."""
+        """Fetches and the store check run on `loop`; `on_fetched` wakes the engine when a fetch ends.
+        The source's fetch process (if it has one) starts now rather than at the first fetch."""
         self.pool.fetcher.start(loop, on_fetched)
+        start_source = getattr(self.pool.fetcher.source, "start", None)
+        if start_source is not None:
+            start_source()
         self.sync.start()
         if self.store_check is not None:
             self.store_check.start(loop)

@@ -48,6 +48,7 @@ GROUPS = (
 GROUP_OF_MODULE = {m: g for g in GROUPS for m in g.slices}
 
 DTYPES = ("bfloat16", "float16", "float32")
+ITEMSIZES = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of each of DTYPES
 
 
 def tensor_name(layer: int, group: str, which: str) -> str:

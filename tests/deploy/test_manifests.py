@@ -45,6 +45,16 @@ def _worker_set(rendered: list[dict]) -> dict:
     )
 
 
+def test_worker_has_shared_memory_for_the_fetch_process(rendered: list[dict]) -> None:
+    """The runtime's default /dev/shm (64 MiB) holds less than one 8B-shaped adapter payload."""
+    pod = _worker_set(rendered)["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "worker"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert volume["emptyDir"]["sizeLimit"].endswith("Gi")
+
+
 def test_the_schema_check_rejects_broken_objects(rendered: list[dict]) -> None:
     misspelt = _worker_set(rendered)
     misspelt["spec"]["template"]["spec"]["terminationGracePeriod"] = 45

@@ -198,6 +198,17 @@ def test_stop_grace_covers_the_drain(compose: dict) -> None:
         assert _seconds(service["stop_grace_period"]) >= grace + 10, name
 
 
+def test_workers_have_shared_memory_for_the_fetch_process(compose: dict) -> None:
+    """Docker's default /dev/shm (64 MiB) holds less than one 8B-shaped adapter payload."""
+    for name in WORKERS:
+        service = compose["services"][name]
+        assert WorkerConfig.from_args(service["command"][1:], env=_env(service)).fetch_process, name
+        size = str(service["shm_size"])
+        m = re.fullmatch(r"(\d+)(gb|mb)", size)
+        assert m, size
+        assert int(m.group(1)) * (1024 if m.group(2) == "gb" else 1) >= 1024, name
+
+
 def _docker_engine() -> bool:
     if shutil.which("docker") is None:
         return False

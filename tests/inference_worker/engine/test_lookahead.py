@@ -37,6 +37,9 @@ def test_queued_adapter_is_in_a_slot_before_admission(tiny_model_dir, lora_store
         prefetch=0,
     )
     try:
+        # the fetch process is up (as a served worker's is, long before its first request): the
+        # base requests below run for well under a second on this model
+        w.call(w.adapters.pool.fetcher.source.fetch("all-r4"))
         # the running set is full of long base requests: the adapter request must queue
         longs = [w.submit(PROMPT, "", max_tokens=40) for _ in range(2)]
         wait_until(lambda: w.engine.num_running == 2)

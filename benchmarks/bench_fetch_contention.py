@@ -1,0 +1,188 @@
+"""How long one adapter fetch takes in the worker, alone and beside a busy interpreter: the
+worker's StoreSource fetching in its own process (threads) against in its fetch process, from a
+store process on loopback. "Busy" is what serving load does to the worker's interpreter lock: a
+thread making short torch calls between Python work (the step thread) and a thread running Python
+most of the time (the gRPC event loop), both taking the lock over and over.
+
+    python benchmarks/bench_fetch_contention.py [--shape 1b] [--repeats 15] [--json F]
+
+Prints a table: median and p90 ms of a fetch by path and load, and the in-process / process ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_store import LLAMA3_8B, free_port, wait_ready  # noqa: E402
+
+from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
+from loraserve.clients.store_client import StoreClient  # noqa: E402
+from loraserve.contract.adapter_layout import MODULES  # noqa: E402
+from loraserve.inference_worker.adapters.store_source import StoreSource  # noqa: E402
+
+SHAPES = {
+    "1b": {
+        **LLAMA3_8B,
+        "_name_or_path": "llama-3.2-1b-shaped",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+    },
+    "8b": LLAMA3_8B,
+}
+
+
+class Busy:
+    """Threads that keep the interpreter lock busy, as a serving worker's do."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._step_like, daemon=True),
+            threading.Thread(target=self._loop_like, daemon=True),
+        ]
+
+    def _step_like(self) -> None:
+        x = torch.zeros(16)
+        while not self.stop.is_set():
+            for _ in range(30):
+                x.add_(1)  # each torch call lets go of the lock and takes it back
+            total = 0
+            for i in range(3000):
+                total += i
+
+    def _loop_like(self) -> None:
+        while not self.stop.is_set():
+            total = 0
+            for i in range(20000):
+                total += i
+            time.sleep(0.0002)
+
+    def __enter__(self) -> Busy:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+async def timed_fetches(source: StoreSource, repeats: int) -> list[float]:
+    await source.fetch("bench")  # warm: connection, process, segment
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await source.fetch("bench")
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", choices=tuple(SHAPES), default="1b")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=2, help="each case this many times, interleaved")
+    p.add_argument("--switch-interval-ms", type=float, default=0.5, help="as the worker sets it")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    config = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        base = tmp_path / "base"
+        base.mkdir()
+        (base / "config.json").write_text(json.dumps(config))
+        spec = DemoAdapterSpec("bench", r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, seed=7)
+        write_peft_adapter(
+            tmp_path / "root" / "bench",
+            config,
+            spec,
+            dtype=torch.bfloat16,
+            base_model_name=config["_name_or_path"],
+        )
+        port = free_port()
+        store = subprocess.Popen(
+            [sys.executable, "-m", "loraserve.cli", "store", "--host", "127.0.0.1", "--port", str(port),
+             "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
+             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING"],
+            cwd=str(ROOT),
+        )  # fmt: skip
+        try:
+            address = f"127.0.0.1:{port}"
+            wait_ready(address, store)
+            with StoreClient(address) as client:
+                client.register("bench", "bench")
+            results: dict[str, list[float]] = {}
+
+            async def measure() -> None:
+                sources = {
+                    "in-process": StoreSource(address, fetch_process=False),
+                    "fetch process": StoreSource(address, fetch_process=True),
+                }
+                try:
+                    for _ in range(args.rounds):
+                        for name, source in sources.items():
+                            for load in ("alone", "busy"):
+                                if load == "busy":
+                                    with Busy():
+                                        times = await timed_fetches(source, args.repeats)
+                                else:
+                                    times = await timed_fetches(source, args.repeats)
+                                results.setdefault(f"{name}|{load}", []).extend(times)
+                finally:
+                    for source in sources.values():
+                        await source.close()
+
+            asyncio.run(measure())
+        finally:
+            store.terminate()
+            store.wait()
+    rows = {}
+    for key, times in results.items():
+        times = sorted(times)
+        rows[key] = {
+            "median_ms": round(1e3 * statistics.median(times), 2),
+            "p90_ms": round(1e3 * times[math.ceil(0.9 * len(times)) - 1], 2),  # nearest rank
+            "n": len(times),
+        }
+    print(f"\nfetch of one {args.shape}-shaped rank-{args.rank} adapter (all seven modules), "
+          f"switch interval {args.switch_interval_ms} ms, {platform.node()}")  # fmt: skip
+    print("| path | load | median ms | p90 ms |")
+    print("| --- | --- | ---: | ---: |")
+    for key, row in rows.items():
+        name, load = key.split("|")
+        print(f"| {name} | {load} | {row['median_ms']} | {row['p90_ms']} |")
+    for load in ("alone", "busy"):
+        a, b = rows[f"in-process|{load}"]["median_ms"], rows[f"fetch process|{load}"]["median_ms"]
+        print(f"{load}: in-process / fetch process = {a / b:.2f}x")
+    if args.json:
+        out = {"shape": args.shape, "rank": args.rank, "rows": rows,
+               "switch_interval_ms": args.switch_interval_ms, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}  # fmt: skip
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

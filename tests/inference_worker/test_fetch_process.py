@@ -1,0 +1,170 @@
+"""Adapter fetches in the worker's fetch process (inference_worker/fetching),
+against the real store: the same payload as a fetch in the worker's own process, the store's
+answers as the same adapter failures, and a process that dies, a fetch given up on and a full
+shared memory costing nothing but the fetches they touch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from loraserve.inference_worker.adapters.store_source import StoreSource
+from loraserve.inference_worker.errors import AdapterMismatch, AdapterNotFound, DependencyUnavailable
+from loraserve.inference_worker.fetching import process as fetch_process
+
+pytestmark = pytest.mark.skipif(not fetch_process.FetchProcess.supported(), reason="no /dev/shm")
+
+
+def run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def _with_source(address: str, body, **kw):
+    source = StoreSource(address, timeout_s=10, max_retries=1, fetch_process=True, **kw)
+    try:
+        return await body(source)
+    finally:
+        await source.close()
+
+
+def _segments(source: StoreSource) -> list[str]:
+    process = source._process
+    assert process is not None and process._directory is not None
+    return sorted(p.name for p in process._directory.iterdir())
+
+
+def test_same_payload_as_in_process(lora_store):
+    async def body(source):
+        here = await StoreSource(lora_store.address, timeout_s=10)._fetch_here("all-r4", "", None)
+        there = await source.fetch("all-r4")
+        again = await source.fetch("all-r4")  # a segment reused
+        return here, there, again, _segments(source)
+
+    here, there, again, segments = run(_with_source(lora_store.address, body))
+    for got in (there, again):
+        assert (got.adapter_id, got.digest, got.rank) == (here.adapter_id, here.digest, here.rank)
+        assert got.tensors == here.tensors
+        assert torch.equal(got.data, here.data)
+    assert there.data.data_ptr() != again.data.data_ptr()  # each fetch its own buffer
+    assert len(segments) == 1
+
+
+def test_store_answers_become_adapter_failures(lora_store):
+    async def body(source):
+        with pytest.raises(AdapterNotFound):
+            await source.fetch("no-such-adapter")
+        with pytest.raises(AdapterMismatch):
+            await source.fetch("all-r4", digest="0" * 64)
+        return await source.fetch("qv-r8")  # the process still serves
+
+    assert run(_with_source(lora_store.address, body)).rank == 8
+
+
+def test_unreachable_store_is_dependency_unavailable(tmp_path):
+    from tests.helpers.ports import free_port
+
+    async def body(source):
+        with pytest.raises(DependencyUnavailable):
+            await source.fetch("all-r4")
+
+    run(_with_source(f"127.0.0.1:{free_port()}", body, max_fetches=1))
+
+
+def test_a_killed_process_fails_its_fetches_and_is_replaced(lora_store):
+    async def body(source):
+        await source.fetch("all-r4")
+        child = source._process._child
+        os.kill(child.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while child.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not child.alive
+        got = await source.fetch("mlp-rs16")  # a new process
+        assert source._process._child is not child
+        return got
+
+    assert run(_with_source(lora_store.address, body)).rank == 16
+
+
+def test_a_fetch_killed_midway_fails_as_unavailable(lora_store):
+    async def body(source):
+        source.start()
+        child = source._process._child
+        pending = asyncio.ensure_future(source.fetch("patterned"))
+        while not child.pending:
+            await asyncio.sleep(0)
+        os.kill(child.proc.pid, signal.SIGKILL)
+        results = await asyncio.gather(pending, return_exceptions=True)
+        return results[0]
+
+    got = run(_with_source(lora_store.address, body))
+    # the kill may land after the answer: either the payload, or the fetch failed as unavailable
+    assert isinstance(got, DependencyUnavailable) or got.adapter_id == "patterned"
+
+
+def test_a_stuck_process_is_ended_and_replaced(lora_store):
+    async def body(source):
+        await source.fetch("all-r4")
+        process = source._process
+        process.answer_limit_s = 1.0
+        child = process._child
+        os.kill(child.proc.pid, signal.SIGSTOP)  # neither dead nor answering
+        t0 = time.monotonic()
+        with pytest.raises(DependencyUnavailable, match="did not answer"):
+            await source.fetch("qv-r8")
+        waited = time.monotonic() - t0
+        got = await source.fetch("qv-r8")  # a new process
+        assert process._child is not child and child.proc.poll() is not None
+        return waited, got
+
+    waited, got = run(_with_source(lora_store.address, body))
+    assert waited < 10 and got.rank == 8
+
+
+def test_cancelled_fetches_give_their_segments_back(lora_store):
+    async def body(source):
+        for _ in range(6):
+            task = asyncio.ensure_future(source.fetch("all-r4"))
+            await asyncio.sleep(0.005)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await source.fetch("all-r4")
+        await asyncio.sleep(0.2)  # late answers release their segments
+        process = source._process
+        return len(_segments(source)), process._config["max_fetches"]
+
+    count, workers = run(_with_source(lora_store.address, body))
+    assert count <= workers + 2
+
+
+def test_no_shared_memory_left_falls_back_to_in_process(lora_store):
+    async def body(source):
+        source.start()
+        directory = source._process._directory
+        directory.rmdir()
+        directory.write_bytes(b"")  # no segment can be made there (as with a full /dev/shm)
+        try:
+            got = await source.fetch("attn-l1-r2")
+        finally:
+            directory.unlink()
+            directory.mkdir()
+        return got, _segments(source)
+
+    got, segments = run(_with_source(lora_store.address, body))
+    assert got.adapter_id == "attn-l1-r2" and got.rank == 2
+    assert segments == []
+
+
+def test_close_removes_the_shared_memory(lora_store):
+    async def body(source):
+        await source.fetch("all-r4")
+        return source._process._directory, source._process._child.proc
+
+    directory, proc = run(_with_source(lora_store.address, body))
+    assert not directory.exists()
+    assert proc.poll() is not None
