@@ -112,6 +112,20 @@ def test_corrupted_chunk_raises_data_loss(chunked) -> None:
         fetch_adapter(CuttingStub(stub, corrupt=True), "big")
 
 
+def test_no_copying_thread_outlives_its_fetch(chunked) -> None:
+    """Chunks are copied and hashed on a thread beside the receiving one; it ends with the fetch,
+    whether the fetch succeeded, was resumed, failed its digest or was refused."""
+    import threading
+
+    _, stub, info = chunked
+    fetch_adapter(CuttingStub(stub, cut_after=5), "big")
+    with pytest.raises(DataLossError):
+        fetch_adapter(CuttingStub(stub, corrupt=True), "big")
+    with pytest.raises(grpc.RpcError):
+        fetch_adapter(stub, "big", digest="0" * 64)
+    assert not [t for t in threading.enumerate() if t.name == "adapter-fetch-copy"]
+
+
 def test_stale_digest_is_refused(chunked) -> None:
     _, stub, _ = chunked
     with pytest.raises(grpc.RpcError) as err:
