@@ -189,8 +189,8 @@ class AdapterDownload:
         self.received += n
 
     def pause(self) -> None:
-        """Let the copying thread finish what it was given and end (a stream that broke or ended;
-        a resumed download starts another)."""
+        """Let the copying thread finish what it was given and end (a fetch that gave up; a
+        resumed download starts another). A download left otherwise ends it after _Sink.IDLE_S."""
         self._sink.drain()
 
     def finish(self) -> FetchedAdapter:
@@ -311,11 +311,13 @@ class _Resumable:
         FetchError once retries are spent."""
         d = self.download
         if exc is not None and (not _retryable(exc) or self.attempts >= self.max_retries):
+            d.pause()
             raise exc
         if d.complete:
             return d.finish()
         self.attempts += 1
         if self.attempts > self.max_retries:
+            d.pause()
             raise FetchError(
                 f"stream of {d.adapter_id!r} ended at byte {d.received} after {self.attempts} attempts"
             )
@@ -344,21 +346,17 @@ def fetch_adapter(
     allocate: given the payload's size, the buffer to fill (see AdapterDownload)."""
     d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer, allocate=allocate)
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
-    try:
-        while True:
-            error: grpc.RpcError | None = None
-            try:
-                if not d.complete:
-                    for msg in run.stream():
-                        run.handle(msg)
-            except grpc.RpcError as exc:
-                error = exc
-            if (fetched := run.after_attempt(error)) is not None:
-                return fetched
-            d.pause()
-            time.sleep(run.delay)
-    finally:
-        d.pause()
+    while True:
+        error: grpc.RpcError | None = None
+        try:
+            if not d.complete:
+                for msg in run.stream():
+                    run.handle(msg)
+        except grpc.RpcError as exc:
+            error = exc
+        if (fetched := run.after_attempt(error)) is not None:
+            return fetched
+        time.sleep(run.delay)
 
 
 async def fetch_adapter_async(
@@ -376,18 +374,14 @@ async def fetch_adapter_async(
     """Fetch through a grpc.aio channel (fastest) or an asyncio `AdapterStoreStub`."""
     d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
-    try:
-        while True:
-            error: grpc.RpcError | None = None
-            try:
-                if not d.complete:
-                    async for msg in run.stream():
-                        run.handle(msg)
-            except grpc.RpcError as exc:
-                error = exc
-            if (fetched := run.after_attempt(error)) is not None:
-                return fetched
-            d.pause()
-            await asyncio.sleep(run.delay)
-    finally:
-        d.pause()
+    while True:
+        error: grpc.RpcError | None = None
+        try:
+            if not d.complete:
+                async for msg in run.stream():
+                    run.handle(msg)
+        except grpc.RpcError as exc:
+            error = exc
+        if (fetched := run.after_attempt(error)) is not None:
+            return fetched
+        await asyncio.sleep(run.delay)

@@ -23,6 +23,7 @@ import concurrent.futures
 import mmap
 import os
 import shutil
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -182,6 +183,9 @@ class Child:
 
 
 def main() -> None:
+    # Ctrl-C reaches the whole process group: the worker decides when this process ends (it
+    # closes the pipe), so the interrupt is not ours to act on
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     inbox = Connection(os.dup(0), writable=False)
     outbox = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # prints and logs go to stderr; stdout carries only the protocol
