@@ -43,6 +43,9 @@ _HELP = {
     "(Python's own default is 700); what is alive once the worker is up is frozen out of collection",
     "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "
     "interpreter before the step thread gets it back (Python's own default is 5)",
+    "stream_process": "serve clients from a front process of the worker's: generations reach it over a "
+    "local socket a step's worth at a time, so sending their token streams does not compete with "
+    "the engine for this process's interpreter; other calls pass through it unchanged",
     "tensor_parallel_size": "ranks (one process and GPU each) the model is sharded over; rank 0 serves "
     "and starts the others (1 = one process)",
     "tensor_parallel_timeout_s": "seconds a rank waits for another inside a step before the worker "
@@ -95,6 +98,7 @@ class WorkerConfig:
     switch_interval_ms: float = 0.5
     gc_threshold: int = DEFAULT_GEN0_THRESHOLD
     stream_interval: int = 1
+    stream_process: bool = False
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
     max_loras: int = 4

@@ -29,9 +29,11 @@ from grpc_reflection.v1alpha import reflection
 from loraserve.inference_worker.builder import build_worker
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import LLMEngine
-from loraserve.inference_worker.errors import WorkerError
+from loraserve.inference_worker.errors import DependencyUnavailable, WorkerError
 from loraserve.inference_worker.metrics import WorkerMetrics
 from loraserve.inference_worker.model.config import ModelConfigError
+from loraserve.inference_worker.relay.core import RelayServer
+from loraserve.inference_worker.relay.launch import FrontProcess
 from loraserve.inference_worker.service import InferenceWorkerServicer, dispatch_on
 from loraserve.serving import tracing
 from loraserve.serving.background import BackgroundServer
@@ -47,7 +49,8 @@ SERVICE_NAME = "loraserve.v1.InferenceWorker"
 # the RPCs that need the generate token, and the admin token, when one is configured
 GENERATE_METHODS = ("Generate", "GenerateStream")
 ADMIN_METHODS = ("LoadAdapter", "UnloadAdapter", "PinAdapter")
-FAILED_GRACE_S = 5.0  # after a failure, for the failed calls' statuses to reach their clients
+FAILED_GRACE_S = 5.0
+FRONT_CONNECT_S = 30.0  # from the relay socket's listening to the front's connecting  # after a failure, for the failed calls' statuses to reach their clients
 
 
 class WorkerServer:
@@ -57,17 +60,18 @@ class WorkerServer:
         self.health = health.aio.HealthServicer()
         if config.otlp_endpoint:
             tracing.enable_otlp(config.otlp_endpoint, "loraserve-worker")
+        self.interceptors = [
+            ObservedCallInterceptor(
+                "worker", quiet={"GetWorkerInfo", "ListAdapters"}
+            ),  # outermost: sees the status the caller gets
+            BearerTokenInterceptor(
+                {f"/{SERVICE_NAME}/{m}": config.generate_token for m in GENERATE_METHODS}
+                | {f"/{SERVICE_NAME}/{m}": config.admin_token for m in ADMIN_METHODS}
+            ),
+            ErrorStatusInterceptor(log),
+        ]
         self.grpc_server = grpc_server(
-            [
-                ObservedCallInterceptor(
-                    "worker", quiet={"GetWorkerInfo", "ListAdapters"}
-                ),  # outermost: sees the status the caller gets
-                BearerTokenInterceptor(
-                    {f"/{SERVICE_NAME}/{m}": config.generate_token for m in GENERATE_METHODS}
-                    | {f"/{SERVICE_NAME}/{m}": config.admin_token for m in ADMIN_METHODS}
-                ),
-                ErrorStatusInterceptor(log),
-            ],
+            self.interceptors,
             # 4 MiB bounds what a client can make the worker parse (a prompt is further bounded in
             # characters before it is tokenized)
             [("grpc.max_receive_message_length", 4 << 20)],
@@ -81,12 +85,26 @@ class WorkerServer:
             ),
             self.grpc_server,
         )
-        self.port = bind_grpc_port(
-            self.grpc_server, config.host, config.port, config.tls_cert, config.tls_key
-        )
+        self.front: FrontProcess | None = None
+        self.relay: RelayServer | None = None
+        if config.stream_process:  # clients reach the front; this server listens on loopback only
+            private = bind_grpc_port(self.grpc_server, "127.0.0.1", 0)
+            self.front = FrontProcess(
+                config.host, config.port, f"127.0.0.1:{private}", config.tls_cert, config.tls_key
+            )
+            self.port = self.front.port
+        else:
+            self.port = bind_grpc_port(
+                self.grpc_server, config.host, config.port, config.tls_cert, config.tls_key
+            )
         # the bound port (port 0 picks one): the worker id and the advertised address derive from it
         self.config = config.replace(port=self.port) if config.port == 0 else config
-        worker = build_worker(self.config)
+        try:
+            worker = build_worker(self.config)
+        except BaseException:
+            if self.front is not None:
+                self.front.stop()
+            raise
         self.engine, self.adapters, self.followers = worker.engine, worker.adapters, worker.followers
         self.failure: WorkerError | None = None  # why the worker stopped serving on its own
         self.stopped = asyncio.Event()
@@ -97,6 +115,13 @@ class WorkerServer:
             self.adapters.register_metrics(self.metrics.registry, self.metrics.per_adapter)
         self.servicer = InferenceWorkerServicer(self.engine, self.config, self.metrics, self.adapters)
         worker_pb2_grpc.add_InferenceWorkerServicer_to_server(self.servicer, self.grpc_server)
+        if self.front is not None:
+            self.relay = RelayServer(
+                self.servicer,
+                worker_pb2_grpc.add_InferenceWorkerServicer_to_server,
+                self.interceptors,
+                [f"/{SERVICE_NAME}/{m}" for m in GENERATE_METHODS],
+            )
         self.metrics_port: int | None = None
 
     async def start(self) -> None:
@@ -113,6 +138,21 @@ class WorkerServer:
             self.followers.on_failure(on_failure)
         self.engine.start()
         await self.grpc_server.start()
+        if self.front is not None and self.relay is not None:
+            await self.relay.start(self.front.socket_path)
+            try:
+                await asyncio.wait_for(self.relay.connected.wait(), FRONT_CONNECT_S)
+            except asyncio.TimeoutError:
+                raise DependencyUnavailable(
+                    f"the worker's front process did not connect within {FRONT_CONNECT_S:.0f} s"
+                ) from None
+
+            def on_front_exit(code: int) -> None:  # on a watcher thread
+                failure = DependencyUnavailable(f"the worker's front process exited ({code})")
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self.fail, failure)
+
+            self.front.watch(on_front_exit)
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         for name in ("", SERVICE_NAME):
@@ -152,12 +192,23 @@ class WorkerServer:
             await self.stopped.wait()
             return
         self._stopping = True
+        if self.front is not None:
+            if grace:  # what the generations in flight still send reaches their clients first
+                await self._relayed_done(grace)
+            await asyncio.to_thread(self.front.stop)
+        if self.relay is not None:
+            await self.relay.close()
         await self.grpc_server.stop(grace)
         await asyncio.to_thread(self.engine.shutdown)
         if self.adapters is not None:
             await self.adapters.close()
         self.metrics.close()
         self.stopped.set()
+
+    async def _relayed_done(self, grace: float) -> None:
+        end = time.monotonic() + grace
+        while self.servicer.active and time.monotonic() < end:
+            await asyncio.sleep(0.02)
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()

@@ -1,8 +1,11 @@
-"""The InferenceWorker service through real grpc.aio servers on port 0 and the generated stubs."""
+"""The InferenceWorker service through real grpc.aio servers on port 0 and the generated stubs;
+every test twice: clients talking to the worker's own server, and to its front process
+(`--stream-process`: generations relayed over a local socket, other calls passed through)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import urllib.request
@@ -16,7 +19,7 @@ from loraserve.clients.worker_cli import generate_main
 from loraserve.clients.worker_client import AsyncWorkerClient, WorkerClient, build_request
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.tls import self_signed_cert
-from tests.helpers.workers import stub_for
+from tests.helpers.workers import stub_for, worker_config
 
 PROMPTS = [
     "Hello world.",
@@ -28,6 +31,20 @@ PROMPTS = [
     "Every request in a batch may use its own adapter;",
     "The adapter store fetches checkpoints,",
 ]
+
+
+@pytest.fixture(scope="module", params=["direct", "relay"])
+def worker(tiny_model_dir, request):
+    from loraserve.inference_worker.server import BackgroundWorker
+
+    bg = BackgroundWorker(worker_config(tiny_model_dir, stream_process=request.param == "relay"))
+    yield bg
+    bg.stop()
+
+
+@pytest.fixture(params=["direct", "relay"])
+def start_worker(start_worker, request):
+    return functools.partial(start_worker, stream_process=request.param == "relay")
 
 
 def wait_for(predicate, timeout: float = 5.0) -> bool:

@@ -1,0 +1,188 @@
+"""The worker's end of the stream relay: a Unix socket server that runs each relayed call through
+the same method handler and interceptors as the worker's gRPC server (bearer tokens, error
+statuses, the access log and tracing), with a context that stands in for gRPC's, and sends what
+the call produces back to the front in frames (framing.py).
+
+A relayed call that the front cancels (its client went away or ran out of time) is cancelled here,
+which aborts its sequence in the engine, as for a direct call."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
+
+log = logging.getLogger("loraserve.worker")
+
+
+class RelayContext:
+    """What the worker's handlers and interceptors read from a gRPC servicer context."""
+
+    def __init__(self, timeout: float | None, metadata: Sequence[tuple[str, str]], peer: str) -> None:
+        self._deadline = time.monotonic() + timeout if timeout is not None else None
+        self._metadata = tuple(metadata)
+        self._peer = peer
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        self._code, self._details = code, details
+        raise grpc.aio.AbortError()
+
+
+class _Registry:
+    """Collects the generic handlers that generated `add_*Servicer_to_server` functions register."""
+
+    def __init__(self) -> None:
+        self.handlers: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self.handlers.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        pass
+
+
+class _Details(grpc.HandlerCallDetails):
+    def __init__(self, method: str, metadata: Sequence[tuple[str, str]]) -> None:
+        self.method, self.invocation_metadata = method, tuple(metadata)
+
+
+class RelayServer:
+    """Relayed calls of `methods` (full names), served by what `add_servicer(servicer, registry)`
+    registers, through `interceptors` (outermost first, as the gRPC server has them)."""
+
+    def __init__(
+        self,
+        servicer: object,
+        add_servicer: Any,
+        interceptors: Sequence[grpc.aio.ServerInterceptor],
+        methods: Sequence[str],
+    ) -> None:
+        registry = _Registry()
+        add_servicer(servicer, registry)
+        self._generic = registry.handlers
+        self._interceptors = list(interceptors)
+        self._methods = frozenset(methods)
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self.connected = asyncio.Event()  # the front is connected
+
+    async def start(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._connection, path)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        this = asyncio.current_task()
+        assert this is not None
+        self._connections.add(this)
+        self.connected.set()
+        out = FrameWriter(writer)
+        calls: dict[int, asyncio.Task[None]] = {}
+        try:
+            while (ops := await read_frame(reader)) is not None:
+                for op in ops:
+                    if op[0] == "call":
+                        calls[op[1]] = task = asyncio.ensure_future(self._call(out, *op[1:]))
+                        task.add_done_callback(functools.partial(_forget, calls, op[1]))
+                    elif op[0] == "cancel" and (running := calls.get(op[1])) is not None:
+                        running.cancel()
+        finally:  # the front is gone: so are its callers
+            for task in list(calls.values()):
+                task.cancel()
+            writer.close()
+            self._connections.discard(this)
+
+    async def _handler(
+        self, method: str, metadata: Sequence[tuple[str, str]]
+    ) -> grpc.RpcMethodHandler | None:
+        details = _Details(method, metadata)
+
+        async def base(d: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+            for generic in self._generic:
+                if (handler := generic.service(d)) is not None:
+                    return handler
+            return None
+
+        continuation = base
+        for interceptor in reversed(self._interceptors):
+            continuation = _wrap(interceptor, continuation)
+        return await continuation(details)
+
+    async def _call(
+        self,
+        out: FrameWriter,
+        key: int,
+        method: str,
+        request: bytes,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
+        peer: str,
+    ) -> None:
+        context = RelayContext(timeout, metadata, peer)
+        try:
+            handler = await self._handler(method, metadata) if method in self._methods else None
+            if handler is None:
+                out.add(("error", key, "UNIMPLEMENTED", f"{method} is not relayed"))
+                return
+            message = handler.request_deserializer(request)
+            if handler.response_streaming:
+                behavior = handler.unary_stream
+                async for response in behavior(message, context):
+                    out.add(("message", key, handler.response_serializer(response)))
+                out.add(("end", key, None))
+            else:
+                response = await handler.unary_unary(message, context)
+                out.add(("end", key, handler.response_serializer(response)))
+        except grpc.aio.AbortError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            out.add(("error", key, code.name, context.details()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the error interceptor answers everything else; this is a bug
+            log.error("relayed %s failed unexpectedly", method, exc_info=exc)
+            out.add(("error", key, "INTERNAL", f"{type(exc).__name__}: {exc}"))
+
+
+def _forget(calls: dict[int, asyncio.Task[None]], key: int, _: object) -> None:
+    calls.pop(key, None)
+
+
+def _wrap(interceptor: grpc.aio.ServerInterceptor, continuation: Any) -> Any:
+    async def call(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return await interceptor.intercept_service(continuation, details)
+
+    return call

@@ -1,0 +1,247 @@
+"""The front process of the stream relay: `python -m loraserve.inference_worker.relay.front --host H
+--port P --core 127.0.0.1:Q --socket PATH [--tls-cert C --tls-key K]`, started by the worker.
+
+It serves the worker's public address. Generate and GenerateStream go to the worker over its relay
+socket (framing.py) and their messages come back a step's worth at a time; every other call (the
+admin RPCs, health, reflection) passes through to the worker's gRPC server on its private port,
+metadata included, so tokens and statuses are the worker's own. It prints `listening PORT` (or
+`error MESSAGE`) on stdout once, then logs on stderr, and exits when the worker's socket closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
+
+SERVICE = "/loraserve.v1.InferenceWorker/"
+RELAYED = {SERVICE + "GenerateStream": True, SERVICE + "Generate": False}  # -> response streaming
+PASSED = {
+    **{SERVICE + m: "unary_unary" for m in ("LoadAdapter", "UnloadAdapter", "PinAdapter", "ListAdapters")},
+    SERVICE + "GetWorkerInfo": "unary_unary",
+    "/grpc.health.v1.Health/Check": "unary_unary",
+    "/grpc.health.v1.Health/Watch": "unary_stream",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": "stream_stream",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": "stream_stream",
+}
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, Any]]:
+    """The caller's metadata to pass on (not transport headers)."""
+    return [
+        (k, v)
+        for k, v in (context.invocation_metadata() or ())
+        if not k.startswith((":", "grpc-")) and k != "user-agent"
+    ]
+
+
+class Link:
+    """The connection to the worker's relay socket; each relayed call reads its own queue."""
+
+    def __init__(self) -> None:
+        self.out: FrameWriter | None = None
+        self.calls: dict[int, asyncio.Queue[tuple[Any, ...]]] = {}
+        self.closed = asyncio.Event()
+        self._next = 0
+
+    async def connect(self, path: str) -> None:
+        """Once the worker listens on `path` (it loads its model first)."""
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        self.out = FrameWriter(writer)
+        asyncio.ensure_future(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while (ops := await read_frame(reader)) is not None:
+            for op in ops:
+                if (queue := self.calls.get(op[1])) is not None:
+                    queue.put_nowait(op)
+        self.out = None
+        for key, queue in self.calls.items():
+            queue.put_nowait(("error", key, "UNAVAILABLE", "the worker stopped"))
+        self.closed.set()
+
+    def call(
+        self, method: str, request: bytes, context: grpc.aio.ServicerContext
+    ) -> tuple[int, asyncio.Queue]:
+        key, self._next = self._next, self._next + 1
+        queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self.calls[key] = queue
+        if self.out is None:
+            queue.put_nowait(("error", key, "UNAVAILABLE", "the worker is not serving yet"))
+        else:
+            op = ("call", key, method, request, context.time_remaining(), _metadata(context), context.peer())
+            self.out.add(op)
+        return key, queue
+
+    def done(self, key: int, cancel: bool) -> None:
+        self.calls.pop(key, None)
+        if cancel and self.out is not None:
+            self.out.add(("cancel", key))
+
+
+class Front(grpc.GenericRpcHandler):
+    def __init__(self, link: Link, core: grpc.aio.Channel) -> None:
+        self.link, self.core = link, core
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = details.method
+        if method in RELAYED:
+            if RELAYED[method]:
+                return grpc.unary_stream_rpc_method_handler(self._relay_stream(method))
+            return grpc.unary_unary_rpc_method_handler(self._relay_unary(method))
+        kind = PASSED.get(method)
+        if kind == "unary_unary":
+            return grpc.unary_unary_rpc_method_handler(self._pass_unary(method))
+        if kind == "unary_stream":
+            return grpc.unary_stream_rpc_method_handler(self._pass_stream(method))
+        if kind == "stream_stream":
+            return grpc.stream_stream_rpc_method_handler(self._pass_bidi(method))
+        return None
+
+    # ------------------------------------------------------------------- relayed generations
+    def _relay_stream(self, method: str) -> Any:
+        async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            key, queue = self.link.call(method, request, context)
+            ended = False
+            try:
+                while True:
+                    op = await queue.get()
+                    if op[0] == "message":
+                        yield op[2]
+                        continue
+                    ended = True
+                    if op[0] == "error":
+                        await context.abort(grpc.StatusCode[op[2]], op[3])
+                    return
+            finally:
+                self.link.done(key, cancel=not ended)
+
+        return behavior
+
+    def _relay_unary(self, method: str) -> Any:
+        async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            key, queue = self.link.call(method, request, context)
+            ended = False
+            try:
+                op = await queue.get()
+                ended = True
+                if op[0] == "end":
+                    return bytes(op[2])
+                await context.abort(grpc.StatusCode[op[2]], op[3])
+                raise AssertionError("abort returned")
+            finally:
+                self.link.done(key, cancel=not ended)
+
+        return behavior
+
+    # ------------------------------------------------------------------- passed-through calls
+    def _pass_unary(self, method: str) -> Any:
+        call = self.core.unary_unary(method)
+
+        async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                return await call(request, timeout=context.time_remaining(), metadata=_metadata(context))
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+                raise AssertionError("abort returned") from None
+
+        return behavior
+
+    def _pass_stream(self, method: str) -> Any:
+        call = self.core.unary_stream(method)
+
+        async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            try:
+                async for response in call(
+                    request, timeout=context.time_remaining(), metadata=_metadata(context)
+                ):
+                    yield response
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+
+        return behavior
+
+    def _pass_bidi(self, method: str) -> Any:
+        call = self.core.stream_stream(method)
+
+        async def behavior(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[bytes]:
+            try:
+                async for response in call(
+                    requests, timeout=context.time_remaining(), metadata=_metadata(context)
+                ):
+                    yield response
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+
+        return behavior
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from loraserve.serving.ports import PortUnavailable, bind_grpc_port, grpc_server
+
+    link = Link()
+    core = grpc.aio.insecure_channel(args.core, options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc_server(options=[("grpc.max_receive_message_length", 4 << 20)])
+    server.add_generic_rpc_handlers((Front(link, core),))
+    try:
+        port = bind_grpc_port(server, args.host, args.port, args.tls_cert, args.tls_key)
+    except PortUnavailable as exc:
+        print(f"error {exc}", flush=True)
+        return 1
+    await server.start()
+    print(f"listening {port}", flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # the worker holds our stdin open while it lives: its end (however the worker ended) is ours
+    loop.add_reader(0, _on_stdin, stop)
+    connect = asyncio.ensure_future(link.connect(args.socket))
+    closed = asyncio.ensure_future(link.closed.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    connect.cancel()
+    await server.stop(0)
+    await core.close()
+    return 0
+
+
+def _on_stdin(stop: asyncio.Event) -> None:
+    try:
+        data = os.read(0, 4096)
+    except OSError:
+        data = b""
+    if not data:
+        asyncio.get_running_loop().remove_reader(0)
+        stop.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the worker's to act on
+    p = argparse.ArgumentParser(prog="loraserve-worker-front")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--core", required=True, help="the worker's private gRPC address")
+    p.add_argument("--socket", required=True, help="the worker's relay socket")
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    args = p.parse_args(argv)
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

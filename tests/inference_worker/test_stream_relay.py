@@ -1,0 +1,88 @@
+"""What the stream relay (`--stream-process`) adds to a worker's life: the front process and the
+worker end together, whichever goes first, and a public port that is taken fails the start as the
+worker's own would. (The service itself through the relay: test_service.py runs every test both
+ways.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from loraserve.clients.worker_client import build_request
+from loraserve.inference_worker.errors import DependencyUnavailable
+from loraserve.serving.ports import PortUnavailable
+from tests.helpers.workers import stub_for, worker_config
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_dead_front_fails_the_worker(start_worker) -> None:
+    bg = start_worker(stream_process=True)
+    server = bg.server
+    stub = stub_for(bg.address)
+    stream = stub.GenerateStream(build_request("Hello", max_tokens=1000, ignore_eos=True), timeout=60)
+    next(iter(stream))
+    os.kill(server.front.proc.pid, signal.SIGKILL)
+    assert wait_for(lambda: server.stopped.is_set())
+    assert isinstance(server.failure, DependencyUnavailable) and "front process exited" in str(server.failure)
+    assert wait_for(lambda: bg.engine.idle)  # the generation it was running was ended
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def test_the_front_ends_with_its_worker(tiny_model_dir) -> None:
+    """However the worker ends (here: killed), its front process does not outlive it."""
+    script = (
+        "import sys, time\n"
+        "from loraserve.inference_worker.server import BackgroundWorker\n"
+        "from tests.helpers.workers import worker_config\n"
+        f"bg = BackgroundWorker(worker_config({str(tiny_model_dir)!r}, stream_process=True))\n"
+        "print(bg.server.front.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=root)
+    try:
+        assert worker.stdout is not None
+        front = int(worker.stdout.readline())
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+
+        def gone() -> bool:
+            try:
+                os.kill(front, 0)
+            except ProcessLookupError:
+                return True
+            with open(f"/proc/{front}/stat") as f:  # an exited child of init, not yet reaped
+                return f.read().split()[2] == "Z"
+
+        assert wait_for(gone)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
+def test_a_taken_port_fails_the_start(tiny_model_dir) -> None:
+    from loraserve.inference_worker.server import WorkerServer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = worker_config(tiny_model_dir, port=taken.getsockname()[1], stream_process=True)
+        with pytest.raises(PortUnavailable):
+            WorkerServer(config)
