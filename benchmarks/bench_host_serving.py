@@ -5,8 +5,9 @@ model) whose runner answers fixed logits instead of calling the model, as in ben
 the device's share of a step is gone and what is left is the host work a GPU worker does around
 it. The load generator (`loraserve bench`'s runner, closed loop) runs in this process on another
 core. Reported: the worker's CPU time per streamed token, split into its step thread and the rest
-(the event loop that streams, gRPC's threads), read from /proc, and the client's CPU share (when
-it nears 1.0 the client, not the worker, sets the rate).
+(the event loop that streams, gRPC's threads), and that of the processes it started (the
+`--stream-process` front), read from /proc, and the client's CPU share (when it nears 1.0 the
+client, not the worker, sets the rate). The worker's processes share the cores the client leaves.
 
     python benchmarks/bench_host_serving.py [--concurrency 64] [--output-len 64] [--duration 8]
         [--worker-arg=--stream-interval=4 ...] [--json out.json]
@@ -58,6 +59,19 @@ def cpu_ticks(pid: int, tid: int | None = None) -> int:
     path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
     fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def children_ticks(pid: int) -> int:
+    """CPU ticks of the processes `pid` started (a `--stream-process` front, the fetch process)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:  # ppid
+            total += int(fields[11]) + int(fields[12])
+    return total
 
 
 async def drive(address: str, args: argparse.Namespace, duration: float) -> tuple[dict, float]:
@@ -126,9 +140,11 @@ def main() -> int:
                      "-f", "raw", "-o", args.profile],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
-            w0, s0, t0 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), time.perf_counter()
+            w0, s0, c0 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
+            t0 = time.perf_counter()
             summary, client_share = asyncio.run(drive(address, args, args.duration))
-            w1, s1, wall = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), time.perf_counter() - t0
+            w1, s1, c1 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
+            wall = time.perf_counter() - t0
             if spy is not None:
                 spy.wait(60)
         finally:
@@ -149,6 +165,8 @@ def main() -> int:
         "worker_us_per_token": round(1e6 * (w1 - w0) / hz / tokens, 1),
         "step_thread_us_per_token": round(1e6 * (s1 - s0) / hz / tokens, 1),
         "rest_us_per_token": round(1e6 * ((w1 - w0) - (s1 - s0)) / hz / tokens, 1),
+        "children_cpu_share": round((c1 - c0) / hz / wall, 3),
+        "children_us_per_token": round(1e6 * (c1 - c0) / hz / tokens, 1),
         "client_cpu_share": round(client_share, 3),
     }
     print(json.dumps(row))

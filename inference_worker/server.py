@@ -137,7 +137,6 @@ class WorkerServer:
 
             self.followers.on_failure(on_failure)
         self.engine.start()
-        await self.grpc_server.start()
         if self.front is not None and self.relay is not None:
             await self.relay.start(self.front.socket_path)
             try:
@@ -155,6 +154,8 @@ class WorkerServer:
             self.front.watch(on_front_exit)
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+        # last: a caller that reaches the worker (directly, or through the front) finds it whole
+        await self.grpc_server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("worker %s listening on %s:%d", self.config.resolved_worker_id, self.config.host, self.port)

@@ -5,6 +5,7 @@ ways.)"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -84,5 +85,9 @@ def test_a_taken_port_fails_the_start(tiny_model_dir) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         config = worker_config(tiny_model_dir, port=taken.getsockname()[1], stream_process=True)
-        with pytest.raises(PortUnavailable):
+
+        async def create() -> None:  # as the worker's main does: on its event loop
             WorkerServer(config)
+
+        with pytest.raises(PortUnavailable):
+            asyncio.run(create())
