@@ -254,6 +254,8 @@ class FetchProcess:
         _, _, manifest, segment, nbytes = msg
         try:
             buffer = await asyncio.to_thread(self._copy_out, segment, nbytes)
+        except (OSError, ValueError) as exc:  # its process was replaced meanwhile, segments and all
+            raise ProcessGone(f"the payload's shared memory went away: {exc}") from None
         finally:
             child.release(segment)
         return Fetched(manifest, buffer)

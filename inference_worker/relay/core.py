@@ -120,6 +120,8 @@ class RelayServer:
                         task.add_done_callback(functools.partial(_forget, calls, op[1]))
                     elif op[0] == "cancel" and (running := calls.get(op[1])) is not None:
                         running.cancel()
+        except ConnectionError as exc:
+            log.error("relay connection closed: %s", exc)
         finally:  # the front is gone: so are its callers
             for task in list(calls.values()):
                 task.cancel()

@@ -21,7 +21,8 @@ MAX_FRAME = 256 << 20
 
 
 async def read_frame(reader: asyncio.StreamReader) -> list[tuple[Any, ...]] | None:
-    """The next frame's operations; None at the end of the stream."""
+    """The next frame's operations; None at the end of the stream. ConnectionError for a frame
+    that is not one (the caller closes the connection)."""
     try:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
         if size > MAX_FRAME:
@@ -30,6 +31,8 @@ async def read_frame(reader: asyncio.StreamReader) -> list[tuple[Any, ...]] | No
         return ops
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError) as exc:  # not our peer's frames
+        raise ConnectionError(f"a malformed relay frame: {exc}") from None
 
 
 def encode_frame(ops: list[tuple[Any, ...]]) -> bytes:

@@ -64,10 +64,13 @@ class Link:
         asyncio.ensure_future(self._read(reader))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        while (ops := await read_frame(reader)) is not None:
-            for op in ops:
-                if (queue := self.calls.get(op[1])) is not None:
-                    queue.put_nowait(op)
+        try:
+            while (ops := await read_frame(reader)) is not None:
+                for op in ops:
+                    if (queue := self.calls.get(op[1])) is not None:
+                        queue.put_nowait(op)
+        except ConnectionError as exc:
+            print(f"relay connection closed: {exc}", file=sys.stderr, flush=True)
         self.out = None
         for key, queue in self.calls.items():
             queue.put_nowait(("error", key, "UNAVAILABLE", "the worker stopped"))

@@ -91,3 +91,14 @@ def test_a_taken_port_fails_the_start(tiny_model_dir) -> None:
 
         with pytest.raises(PortUnavailable):
             asyncio.run(create())
+
+
+def test_a_malformed_frame_closes_only_its_connection(start_worker) -> None:
+    bg = start_worker(stream_process=True)
+    with socket.socket(socket.AF_UNIX) as rogue:
+        rogue.connect(bg.server.front.socket_path)
+        rogue.sendall(b"\x00\x00\x00\x05hello")  # a frame whose body is not one
+        rogue.settimeout(10)
+        assert rogue.recv(16) == b""  # closed by the worker
+    reply = stub_for(bg.address).Generate(build_request("Hello", max_tokens=3, ignore_eos=True), timeout=30)
+    assert len(reply.token_ids) == 3
