@@ -109,9 +109,9 @@ class Front(grpc.GenericRpcHandler):
         if kind == "unary_unary":
             return grpc.unary_unary_rpc_method_handler(self._pass_unary(method))
         if kind == "unary_stream":
-            return grpc.unary_stream_rpc_method_handler(self._pass_stream(method))
+            return grpc.unary_stream_rpc_method_handler(self._pass_streamed(self.core.unary_stream(method)))
         if kind == "stream_stream":
-            return grpc.stream_stream_rpc_method_handler(self._pass_bidi(method))
+            return grpc.stream_stream_rpc_method_handler(self._pass_streamed(self.core.stream_stream(method)))
         return None
 
     # ------------------------------------------------------------------- relayed generations
@@ -163,29 +163,15 @@ class Front(grpc.GenericRpcHandler):
 
         return behavior
 
-    def _pass_stream(self, method: str) -> Any:
-        call = self.core.unary_stream(method)
+    @staticmethod
+    def _pass_streamed(call: Any) -> Any:
+        """A response stream passed through; `call`: the worker's unary-stream or stream-stream
+        method, given the request or the caller's request stream."""
 
-        async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             try:
                 async for response in call(
                     request, timeout=context.time_remaining(), metadata=_metadata(context)
-                ):
-                    yield response
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details() or "")
-
-        return behavior
-
-    def _pass_bidi(self, method: str) -> Any:
-        call = self.core.stream_stream(method)
-
-        async def behavior(
-            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[bytes]:
-            try:
-                async for response in call(
-                    requests, timeout=context.time_remaining(), metadata=_metadata(context)
                 ):
                     yield response
             except grpc.aio.AioRpcError as exc:
