@@ -102,3 +102,14 @@ def test_a_malformed_frame_closes_only_its_connection(start_worker) -> None:
         assert rogue.recv(16) == b""  # closed by the worker
     reply = stub_for(bg.address).Generate(build_request("Hello", max_tokens=3, ignore_eos=True), timeout=30)
     assert len(reply.token_ids) == 3
+
+
+def test_health_watch_passes_through(start_worker) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    bg = start_worker(stream_process=True)
+    watch = health_pb2_grpc.HealthStub(grpc.insecure_channel(bg.address)).Watch(
+        health_pb2.HealthCheckRequest(service="loraserve.v1.InferenceWorker"), timeout=10
+    )
+    assert next(iter(watch)).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
