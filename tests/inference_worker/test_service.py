@@ -244,9 +244,9 @@ def test_drain(start_worker) -> None:
 
 
 def test_tokens_and_metrics(start_worker, capsys) -> None:
-    from tests.helpers.ports import free_port
-
-    bg = start_worker(generate_token="gen-secret", admin_token="admin-secret", metrics_port=free_port())
+    # metrics on port 0: a port picked beforehand may be taken by then (the relay's front and the
+    # worker's loopback server bind ports of their own in between)
+    bg = start_worker(generate_token="gen-secret", admin_token="admin-secret", metrics_port=0)
     stub = stub_for(bg.address)
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(build_request("hi", max_tokens=2), timeout=10)
