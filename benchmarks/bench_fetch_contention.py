@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import platform
@@ -31,23 +32,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_store import LLAMA3_8B, free_port, wait_ready  # noqa: E402
+from serving_fleet import SHAPES as SERVING_SHAPES  # noqa: E402
 
 from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
 from loraserve.clients.store_client import StoreClient  # noqa: E402
 from loraserve.contract.adapter_layout import MODULES  # noqa: E402
 from loraserve.inference_worker.adapters.store_source import StoreSource  # noqa: E402
+from loraserve.inference_worker.model.tiny import llama_config  # noqa: E402
 
-SHAPES = {
-    "1b": {
-        **LLAMA3_8B,
-        "_name_or_path": "llama-3.2-1b-shaped",
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "head_dim": 64,
-    },
-    "8b": LLAMA3_8B,
-}
+_1B = SERVING_SHAPES["1b"]  # the serving benchmark's model: the adapter payloads its workers fetch
+# (token ids play no part in an adapter's shape)
+SHAPES = {"1b": llama_config(_1B, _1B.vocab_size, bos_id=1, eos_id=2), "8b": LLAMA3_8B}
 
 
 class Busy:
@@ -144,10 +139,7 @@ def main() -> int:
                     for _ in range(args.rounds):
                         for name, source in sources.items():
                             for load in ("alone", "busy"):
-                                if load == "busy":
-                                    with Busy():
-                                        times = await timed_fetches(source, args.repeats)
-                                else:
+                                with Busy() if load == "busy" else contextlib.nullcontext():
                                     times = await timed_fetches(source, args.repeats)
                                 results.setdefault(f"{name}|{load}", []).extend(times)
                 finally:

@@ -55,22 +55,25 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+def _stat(path: Path) -> tuple[int, int]:
+    """(parent pid, CPU ticks: utime + stime) from a /proc stat file."""
+    fields = path.read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[11]) + int(fields[12])
+
+
 def cpu_ticks(pid: int, tid: int | None = None) -> int:
-    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
+    return _stat(Path(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"))[1]
 
 
 def children_ticks(pid: int) -> int:
     """CPU ticks of the processes `pid` started (a `--stream-process` front, the fetch process)."""
     total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for path in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            ppid, ticks = _stat(path)
         except OSError:  # gone meanwhile
             continue
-        if int(fields[1]) == pid:  # ppid
-            total += int(fields[11]) + int(fields[12])
+        total += ticks if ppid == pid else 0
     return total
 
 

@@ -21,7 +21,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -49,8 +49,8 @@ SERVICE_NAME = "loraserve.v1.InferenceWorker"
 # the RPCs that need the generate token, and the admin token, when one is configured
 GENERATE_METHODS = ("Generate", "GenerateStream")
 ADMIN_METHODS = ("LoadAdapter", "UnloadAdapter", "PinAdapter")
-FAILED_GRACE_S = 5.0
-FRONT_CONNECT_S = 30.0  # from the relay socket's listening to the front's connecting  # after a failure, for the failed calls' statuses to reach their clients
+FAILED_GRACE_S = 5.0  # after a failure, for the failed calls' statuses to reach their clients
+FRONT_CONNECT_S = 30.0  # from the relay socket's listening to the front's connecting
 
 
 class WorkerServer:
@@ -167,8 +167,7 @@ class WorkerServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         end = time.monotonic() + grace
-        while (not self.engine.idle or self.servicer.active) and time.monotonic() < end:
-            await asyncio.sleep(0.02)
+        await _wait_while(lambda: not self.engine.idle or bool(self.servicer.active), end)
         await self.stop(max(0.0, end - time.monotonic()))
 
     def fail(self, failure: WorkerError) -> None:
@@ -194,8 +193,8 @@ class WorkerServer:
             return
         self._stopping = True
         if self.front is not None:
-            if grace:  # what the generations in flight still send reaches their clients first
-                await self._relayed_done(grace)
+            # what the generations in flight still send reaches their clients first
+            await _wait_while(lambda: bool(self.servicer.active), time.monotonic() + (grace or 0.0))
             await asyncio.to_thread(self.front.stop)
         if self.relay is not None:
             await self.relay.close()
@@ -206,13 +205,14 @@ class WorkerServer:
         self.metrics.close()
         self.stopped.set()
 
-    async def _relayed_done(self, grace: float) -> None:
-        end = time.monotonic() + grace
-        while self.servicer.active and time.monotonic() < end:
-            await asyncio.sleep(0.02)
-
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
+
+
+async def _wait_while(busy: Callable[[], bool], end: float) -> None:
+    """Until `busy()` is false or time.monotonic() reaches `end`."""
+    while busy() and time.monotonic() < end:
+        await asyncio.sleep(0.02)
 
 
 def create_server(config: WorkerConfig) -> tuple[WorkerServer, int]:
