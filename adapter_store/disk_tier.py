@@ -29,7 +29,8 @@ from loraserve.adapter_store.payload_file import (
     TEMP_PREFIX,
     CorruptPayload,
     PayloadKey,
-    read_payload,
+    PayloadReader,
+    open_payload,
     write_payload,
 )
 from loraserve.adapter_store.registry import AdapterRecord, Registry
@@ -67,43 +68,73 @@ class DiskTier:
         """Remove the files of every version of `adapter_id` but `keep_digest`."""
         return self._writer.submit(self._guard, "remove", lambda: self._discard(adapter_id, keep_digest))
 
-    def get(self, record: AdapterRecord) -> OptimizedAdapter | None:
-        """The checked payload of `record`'s digest, or None (absent, bad or unreadable). Blocking."""
+    def open(self, record: AdapterRecord) -> PayloadReader | None:
+        """The file of `record`'s digest, its header checked (`read` then fills and checks its
+        payload), or None (absent, bad or unreadable: the miss is counted). Blocking."""
         key = PayloadKey(record.adapter_id, record.digest)
         path = self.directory / key.file_name
         try:
-            adapter = read_payload(path, key, record.size_bytes)
+            reader = open_payload(path, key, record.size_bytes)
+            adapter = reader.adapter
             if (adapter.rank, adapter.dtype, adapter.layout_version, len(adapter.tensors)) != (
                 record.rank,
                 record.dtype,
                 record.layout_version,
                 record.num_tensors,
             ):
+                reader.close()
                 raise CorruptPayload("rank, dtype, layout version or tensor count disagree with the registry")
-            size = path.stat().st_size
-            try:
-                os.utime(path)  # last use, which orders eviction across restarts too
-            except OSError:
-                pass  # a read-only tier still serves; its order of eviction is the write order
         except FileNotFoundError:
             self._forget(key)
             self.metrics.disk_misses.inc()
             return None
-        except CorruptPayload as exc:
-            log.warning("disk tier: %s is damaged (%s); removed, rebuilding from the source", path.name, exc)
-            self.metrics.disk_corrupt.inc()
-            self.metrics.disk_misses.inc()
-            self._guard("remove", lambda: self._unlink(key))
+        except (CorruptPayload, OSError) as exc:
+            self._read_failed(key, exc)
             return None
-        except OSError as exc:
-            self._failed("read", exc)
-            self.metrics.disk_misses.inc()
-            return None
+        return reader
+
+    def read(self, reader: PayloadReader, progress: Callable[[int], None] | None = None) -> OptimizedAdapter:
+        """Fill and check the payload of an opened file (`PayloadReader.read`); a hit when it is good,
+        else the failure is counted (a bad file removed) and re-raised. Blocking."""
+        key = reader.key
+        try:
+            adapter = reader.read(progress)
+        except (CorruptPayload, OSError) as exc:
+            self._read_failed(key, exc)
+            raise
+        path = self.directory / key.file_name
+        try:
+            size = path.stat().st_size
+            os.utime(path)  # last use, which orders eviction across restarts too
+        except OSError:
+            size = None  # removed meanwhile, or a read-only tier: it still served this read
         self._succeeded("read")
-        self._record(key, size)
+        if size is not None:
+            self._record(key, size)
         self.metrics.disk_hits.inc()
         self.metrics.disk_read_bytes.inc(adapter.total_bytes)
         return adapter
+
+    def get(self, record: AdapterRecord) -> OptimizedAdapter | None:
+        """The checked payload of `record`'s digest, or None (absent, bad or unreadable). Blocking."""
+        reader = self.open(record)
+        if reader is None:
+            return None
+        try:
+            return self.read(reader)
+        except (CorruptPayload, OSError):
+            return None
+
+    def _read_failed(self, key: PayloadKey, exc: BaseException) -> None:
+        self.metrics.disk_misses.inc()
+        if isinstance(exc, CorruptPayload):
+            log.warning(
+                "disk tier: %s is damaged (%s); removed, rebuilding from the source", key.file_name, exc
+            )
+            self.metrics.disk_corrupt.inc()
+            self._guard("remove", lambda: self._unlink(key))
+        else:
+            self._failed("read", exc)
 
     def flush(self) -> None:
         """Wait until every write, removal and eviction asked for so far is done."""

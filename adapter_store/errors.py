@@ -53,3 +53,9 @@ class DataLoss(StoreError):
     """The optimized payload no longer matches the registered digest."""
 
     code = "DATA_LOSS"
+
+
+class PayloadDamaged(DataLoss):
+    """Bytes a fetch had already streamed came from a damaged copy of the payload (the store has
+    removed it): the fetch must start again from offset 0, and then gets a rebuilt payload. The
+    servicer marks the status with the trailing metadata key REFETCH_KEY."""

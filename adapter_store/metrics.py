@@ -36,10 +36,11 @@ class StoreMetrics:
         self.cache_adapters = Gauge("loraserve_store_cache_adapters", "adapters in the CPU cache", registry=r)
         self.cache_bytes = Gauge("loraserve_store_cache_bytes", "bytes in the CPU cache", registry=r)
         # Where a fetch's payload came from: memory (the CPU cache), disk (the disk tier) or source
-        # (fetched, validated and optimized again); the time until the payload is in memory.
+        # (fetched, validated and optimized again); the time until the payload starts streaming (a disk
+        # read streams while it fills).
         self.fetch_open_seconds = Histogram(
             "loraserve_store_fetch_open_seconds",
-            "time from FetchAdapter to its payload in memory, by where the payload came from",
+            "time from FetchAdapter to its payload starting to stream, by where the payload came from",
             ["origin"],
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=r,

@@ -20,11 +20,13 @@ another version of an adapter can never be mistaken for the current one.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import struct
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -40,7 +42,7 @@ SUFFIX = ".payload"
 TEMP_PREFIX = ".tmp-"  # a write in progress (or one a crash left behind)
 _PREAMBLE = struct.Struct("<8sQ32s")  # magic, header length, header sha256
 MAX_HEADER_BYTES = 16 << 20
-READ_STEP = 4 << 20  # bytes per read (and per hash update)
+READ_STEP = 1 << 20  # bytes per read (and per hash update; a fetch streams what is read so far)
 NAME_RE = re.compile(f"({ADAPTER_ID_RE.pattern})@([0-9a-f]{{64}}){re.escape(SUFFIX)}")
 
 
@@ -127,11 +129,49 @@ def _tensors(header: dict, total: int) -> list[PayloadTensor]:
     return tensors
 
 
-def read_payload(path: Path, key: PayloadKey, expected_bytes: int) -> OptimizedAdapter:
-    """The payload that the file at `path` holds for `key` (key.digest is the registry's), checked:
-    header sha256, header fields against the key and `expected_bytes`, the file's exact length and
-    the payload's sha256. CorruptPayload when any check fails, OSError when the file cannot be read."""
-    with open(path, "rb", buffering=0) as f:
+class PayloadReader:
+    """A payload file whose header has been checked (`open_payload`): `adapter` names its tensors and
+    holds the buffer that `read` fills, in order, so that the first bytes can be used (streamed)
+    while the rest are read. Nothing in `adapter.payload` is to be trusted until `read` returns."""
+
+    def __init__(self, f: io.FileIO, key: PayloadKey, adapter: OptimizedAdapter) -> None:
+        self._f, self.key, self.adapter = f, key, adapter
+
+    @property
+    def total_bytes(self) -> int:
+        return self.adapter.total_bytes
+
+    def read(self, progress: Callable[[int], None] | None = None) -> OptimizedAdapter:
+        """Read and hash the payload; `progress(bytes read so far)` after each step. CorruptPayload
+        when it is short or its sha256 is not the key's digest, OSError when it cannot be read. The
+        file is closed either way."""
+        total = self.adapter.total_bytes
+        view = memoryview(self.adapter.payload.numpy())  # type: ignore[arg-type]
+        sha = hashlib.sha256()
+        done = 0
+        with self._f as f:
+            while done < total:
+                n = f.readinto(view[done : min(done + READ_STEP, total)])
+                if not n:
+                    raise CorruptPayload(f"truncated: the payload is {done} of {total} bytes")
+                sha.update(view[done : done + n])
+                done += n
+                if progress is not None:
+                    progress(done)
+        if sha.hexdigest() != self.key.digest:
+            raise CorruptPayload(f"the payload's sha256 is {sha.hexdigest()}, not {self.key.digest}")
+        return self.adapter
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def open_payload(path: Path, key: PayloadKey, expected_bytes: int) -> PayloadReader:
+    """Open the file at `path` for `key` (key.digest is the registry's) and check what can be checked
+    before the payload: header sha256, header fields against the key and `expected_bytes`, the
+    file's exact length. CorruptPayload when a check fails, OSError when the file cannot be read."""
+    f = open(path, "rb", buffering=0)  # the reader closes it
+    try:
         magic, header_len, header_sha = _PREAMBLE.unpack(_read_exact(f, _PREAMBLE.size, "the preamble"))
         if magic != MAGIC or header_len > MAX_HEADER_BYTES:
             raise CorruptPayload(f"not a payload file (magic {magic!r}, header of {header_len} bytes)")
@@ -160,15 +200,13 @@ def read_payload(path: Path, key: PayloadKey, expected_bytes: int) -> OptimizedA
             raise CorruptPayload(f"the file is {os.fstat(f.fileno()).st_size} bytes, not {start + total}")
         f.seek(start)
         payload = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        view = memoryview(payload.numpy())  # type: ignore[arg-type]
-        sha = hashlib.sha256()
-        done = 0
-        while done < total:
-            n = f.readinto(view[done : min(done + READ_STEP, total)])
-            if not n:
-                raise CorruptPayload(f"truncated: the payload is {done} of {total} bytes")
-            sha.update(view[done : done + n])
-            done += n
-    if sha.hexdigest() != key.digest:
-        raise CorruptPayload(f"the payload's sha256 is {sha.hexdigest()}, not {key.digest}")
-    return OptimizedAdapter(tensors, payload, key.digest, rank, dtype, layout_version)
+    except BaseException:
+        f.close()
+        raise
+    return PayloadReader(f, key, OptimizedAdapter(tensors, payload, key.digest, rank, dtype, layout_version))
+
+
+def read_payload(path: Path, key: PayloadKey, expected_bytes: int) -> OptimizedAdapter:
+    """The payload that the file at `path` holds for `key`, checked in full (`open_payload`, then
+    the payload's sha256)."""
+    return open_payload(path, key, expected_bytes).read()

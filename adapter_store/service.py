@@ -4,7 +4,8 @@ threads.
 
 A fetch finds its payload in the CPU cache (memory), else in the disk tier (disk), else rebuilds it
 from the adapter's source (source); the tiers below memory are read once per adapter and digest
-however many fetches wait for it (single flight)."""
+however many fetches wait for it (single flight). A payload read from the disk tier streams while it
+is read (filling.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import base64
 import binascii
 import logging
 import time
+from dataclasses import dataclass
 
 from loraserve.adapter_store.cache import AdapterCache
 from loraserve.adapter_store.checkpoint import read_checkpoint
@@ -24,12 +26,15 @@ from loraserve.adapter_store.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PayloadDamaged,
     ResourceExhausted,
     Unavailable,
 )
+from loraserve.adapter_store.filling import Filling
 from loraserve.adapter_store.flight import SingleFlight
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.optimize import OptimizedAdapter, optimize
+from loraserve.adapter_store.payload_file import CorruptPayload, PayloadReader
 from loraserve.adapter_store.registry import AdapterRecord, Registry
 from loraserve.adapter_store.sources import AdapterSource, SourceResolver
 from loraserve.adapter_store.validate import Limits, LoraAdapter, validate
@@ -40,6 +45,16 @@ from loraserve.serving.access_log import note
 log = logging.getLogger("loraserve.store")
 
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
+
+
+@dataclass(frozen=True)
+class OpenedFetch:
+    """What a fetch streams: `adapter.payload`, of which only bytes that `filling` has let through
+    may be sent while it is still read from the disk tier (filling None: all of it, now)."""
+
+    record: AdapterRecord
+    adapter: OptimizedAdapter
+    filling: Filling | None
 
 
 def check_adapter_id(adapter_id: str) -> None:
@@ -66,6 +81,9 @@ class AdapterService:
         self.metrics = metrics or StoreMetrics()
         self.cache = AdapterCache(config.cache_max_adapters, config.cache_max_bytes, on_evict=self._evicted)
         self.flight = SingleFlight()
+        # payloads being read from the disk tier, by (adapter id, digest): fetches stream them meanwhile
+        self._reading: dict[tuple[str, str], tuple[OptimizedAdapter, str, Filling | None]] = {}
+        self._fills: set[asyncio.Future[None]] = set()
         tier_dir = config.payload_cache_dir
         self.tier = DiskTier(tier_dir, config.cache_dir_max_bytes, self.metrics) if tier_dir else None
         base_name = config.expected_base_model_name(base_config) if config.check_base_model else None
@@ -199,11 +217,9 @@ class AdapterService:
         log.info("deleted adapter %s", adapter_id)
         return record
 
-    async def open_fetch(
-        self, adapter_id: str, offset: int, digest: str
-    ) -> tuple[AdapterRecord, OptimizedAdapter]:
+    async def open_fetch(self, adapter_id: str, offset: int, digest: str) -> OpenedFetch:
         """The record and optimized payload to stream from `offset`: from the CPU cache, else the disk
-        tier, else rebuilt from the source."""
+        tier (still being read: see `OpenedFetch.filling`), else rebuilt from the source."""
         self._check_serving()
         start = time.perf_counter()
         try:
@@ -227,37 +243,69 @@ class AdapterService:
         cache = "hit" if cached is not None else "miss"
         note(cache=cache)
         tracing.annotate({"loraserve.store.cache": cache})
+        filling: Filling | None = None
         if cached is not None:
             self.metrics.cache_hits.inc()
             optimized, origin = cached, "memory"
         else:
             self.metrics.cache_misses.inc()
-            optimized, origin = await self.flight.do(
-                ("load", adapter_id, record.digest), lambda: self._load(record)
-            )
+            key = (adapter_id, record.digest)
+            reading = self._reading.get(key)
+            if reading is None:
+                reading = await self.flight.do(("load", *key), lambda: self._load(record))
+            optimized, origin, filling = reading
         note(origin=origin)
         tracing.annotate({"loraserve.store.origin": origin})
         self.metrics.fetch_open_seconds.labels(origin).observe(time.perf_counter() - start)
         if not 0 <= offset <= optimized.total_bytes:
             raise InvalidArgument(f"offset {offset} is outside the payload of {optimized.total_bytes} bytes")
         self.metrics.fetches.inc()
-        return record, optimized
+        return OpenedFetch(record, optimized, filling)
 
-    async def _load(self, record: AdapterRecord) -> tuple[OptimizedAdapter, str]:
-        """The payload of `record` from the disk tier, else rebuilt from its source, now in the CPU
-        cache; -> (payload, origin)."""
-        optimized: OptimizedAdapter | None = None
+    async def _load(self, record: AdapterRecord) -> tuple[OptimizedAdapter, str, Filling | None]:
+        """The payload of `record` from the disk tier (opened, and read into the CPU cache meanwhile),
+        else rebuilt from its source and put in the CPU cache; -> (payload, origin, filling)."""
         if self.tier is not None:
-            with tracing.span("store.disk_read", {"loraserve.adapter.id": record.adapter_id}):
-                optimized = await asyncio.to_thread(self.tier.get, record)
-        origin = "disk"
-        if optimized is None:
-            optimized, origin = await self._rebuild(record), "source"
-            if self.tier is not None:
-                self.tier.put_soon(record, optimized)  # not awaited: the fetch streams meanwhile
+            with tracing.span("store.disk_open", {"loraserve.adapter.id": record.adapter_id}):
+                reader = await asyncio.to_thread(self.tier.open, record)
+            if reader is not None:
+                filling = Filling(reader.total_bytes)
+                key = (record.adapter_id, record.digest)
+                self._reading[key] = (reader.adapter, "disk", filling)
+                task = asyncio.ensure_future(self._fill(record, reader, filling))
+                self._fills.add(task)
+                task.add_done_callback(self._fills.discard)
+                return reader.adapter, "disk", filling
+        optimized = await self._rebuild(record)
+        if self.tier is not None:
+            self.tier.put_soon(record, optimized)  # not awaited: the fetch streams meanwhile
         self.cache.put(record.adapter_id, optimized, record)
         self._cache_gauges()
-        return optimized, origin
+        return optimized, "source", None
+
+    async def _fill(self, record: AdapterRecord, reader: PayloadReader, filling: Filling) -> None:
+        """Read the opened file's payload; checked, it joins the CPU cache, else the fetches that
+        followed the read fail (PayloadDamaged: fetch again; Unavailable: resume)."""
+        assert self.tier is not None
+        error: BaseException | None = None
+        try:
+            with tracing.span("store.disk_read", {"loraserve.adapter.id": record.adapter_id}):
+                await asyncio.to_thread(self.tier.read, reader, filling.advance)
+        except CorruptPayload as exc:
+            error = PayloadDamaged(
+                f"adapter {record.adapter_id!r}: the store's disk copy was damaged ({exc}); it was "
+                "removed, fetch the adapter again from offset 0"
+            )
+        except OSError as exc:
+            error = Unavailable(
+                f"adapter {record.adapter_id!r}: reading the store's disk copy failed ({exc})"
+            )
+        finally:
+            del self._reading[(record.adapter_id, record.digest)]
+        if error is None:
+            self.cache.put(record.adapter_id, reader.adapter, record)
+            self._cache_gauges()
+        filling.finish(error)
 
     async def _rebuild(self, record: AdapterRecord) -> OptimizedAdapter:
         with tracing.span("store.build", {"loraserve.adapter.id": record.adapter_id}):

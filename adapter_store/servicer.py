@@ -9,10 +9,11 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from loraserve.adapter_store.errors import PayloadDamaged
 from loraserve.adapter_store.optimize import OptimizedAdapter
 from loraserve.adapter_store.registry import AdapterRecord
 from loraserve.adapter_store.service import AdapterService
-from loraserve.contract.chunk_codec import encode_chunk, serialize_response
+from loraserve.contract.chunk_codec import REFETCH_KEY, encode_chunk, serialize_response
 from loraserve.serving import tracing
 from loraserve.serving.access_log import note
 from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
@@ -85,18 +86,23 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         note(adapter=request.adapter_id, offset=request.offset)
         attributes = {"loraserve.adapter.id": request.adapter_id, "loraserve.offset": request.offset}
         with tracing.span("store.fetch", attributes) as span:  # cache lookup, or a rebuild on a miss
-            record, optimized = await self.service.open_fetch(
-                request.adapter_id, request.offset, request.digest
-            )
+            opened = await self.service.open_fetch(request.adapter_id, request.offset, request.digest)
+            optimized, filling = opened.adapter, opened.filling
             tracing.annotate({"loraserve.bytes": optimized.total_bytes - request.offset}, span)
         note(bytes=optimized.total_bytes - request.offset)
-        yield store_pb2.FetchAdapterResponse(manifest=manifest_to_pb(record, optimized))
+        yield store_pb2.FetchAdapterResponse(manifest=manifest_to_pb(opened.record, optimized))
         # The payload stays referenced by `optimized` for the whole stream, even if evicted meanwhile.
         view = memoryview(optimized.payload.numpy())  # type: ignore[arg-type]
         total, step, offset = optimized.total_bytes, self.chunk_bytes, request.offset
         metrics = self.service.metrics
         while offset < total:
             end = min(offset + step, total)
+            if filling is not None:  # still read from the disk tier: wait for these bytes
+                try:
+                    await filling.wait(end)
+                except PayloadDamaged:
+                    context.set_trailing_metadata(((REFETCH_KEY, "1"),))
+                    raise
             yield encode_chunk(offset, view[offset:end])  # serialized FetchAdapterResponse(chunk=...)
             metrics.fetch_bytes.inc(end - offset)
             offset = end

@@ -6,8 +6,9 @@ GPU asynchronously; or a buffer the caller preallocated and reuses); the tensors
 that buffer. Given a channel rather than a stub, chunks are decoded by loraserve/contract/chunk_codec.py and
 copied once, from the received message into the buffer. A stream that breaks is
 resumed from the bytes already received (the request carries the manifest's digest, so a
-re-registered adapter cannot be spliced in). The sha256 of the buffer must equal the manifest's
-digest, else DataLossError.
+re-registered adapter cannot be spliced in); one that the store ends with DATA_LOSS and the
+REFETCH_KEY trailer (it had streamed bytes of a damaged copy) starts again from offset 0. The
+sha256 of the buffer must equal the manifest's digest, else DataLossError.
 
     with grpc.insecure_channel(addr) as ch:
         adapter = fetch_adapter(ch, "my-adapter")   # or a store_pb2_grpc.AdapterStoreStub(ch)
@@ -29,7 +30,7 @@ import grpc
 import numpy as np
 
 from loraserve.contract.adapter_layout import DTYPES, ITEMSIZES, LAYOUT_VERSION
-from loraserve.contract.chunk_codec import decode_response
+from loraserve.contract.chunk_codec import REFETCH_KEY, decode_response
 from loraserve.v1 import store_pb2
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: a download into numpy needs none
@@ -188,6 +189,13 @@ class AdapterDownload:
         self._sink.put(self._np[offset : offset + n], data)
         self.received += n
 
+    def restart(self) -> None:
+        """Forget the bytes received (the store said they came from a damaged copy): the next
+        request starts at offset 0; the manifest, and so the expected digest, stay."""
+        self._sink.drain()
+        self._sink = _Sink()
+        self.received = 0
+
     def pause(self) -> None:
         """Let the copying thread finish what it was given and end (a fetch that gave up; a
         resumed download starts another). A download left otherwise ends it after _Sink.IDLE_S."""
@@ -266,6 +274,14 @@ def _retryable(exc: grpc.RpcError) -> bool:
     return code in RETRYABLE
 
 
+def _refetch(exc: grpc.RpcError) -> bool:
+    """The store ended the stream because what it had sent was bad: fetch again from offset 0."""
+    if not hasattr(exc, "code") or exc.code() != grpc.StatusCode.DATA_LOSS:
+        return False
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return any(k == REFETCH_KEY for k, _ in trailers or ())
+
+
 def _backoff(attempt: int) -> float:
     """Seconds before resume attempt `attempt` (1, 2, ...): 50 ms doubling, at most 2 s."""
     return min(0.05 * 2 ** (attempt - 1), 2.0)
@@ -310,9 +326,12 @@ class _Resumable:
         """The adapter when complete; None to retry after `delay`. Re-raises a final RpcError;
         FetchError once retries are spent."""
         d = self.download
-        if exc is not None and (not _retryable(exc) or self.attempts >= self.max_retries):
+        refetch = exc is not None and _refetch(exc)
+        if exc is not None and (not (refetch or _retryable(exc)) or self.attempts >= self.max_retries):
             d.pause()
             raise exc
+        if refetch:
+            d.restart()
         if d.complete:
             return d.finish()
         self.attempts += 1

@@ -16,6 +16,9 @@ from google.protobuf.message import DecodeError
 from loraserve.v1 import store_pb2
 
 CHUNK_TAG = 0x12  # field 2, wire type 2
+# Trailing metadata of a FetchAdapter that ends DATA_LOSS because bytes it had already sent came from
+# a damaged copy (the store dropped it): the client starts again from offset 0 rather than resuming.
+REFETCH_KEY = "loraserve-refetch"
 
 
 def _varint(n: int) -> bytes:

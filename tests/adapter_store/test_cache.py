@@ -96,7 +96,11 @@ def test_single_flight_fetch_after_eviction(start_store, tier: bool) -> None:
     service.cache.drop("x")
 
     async def many():
-        return await asyncio.gather(*[service.open_fetch("x", 0, "") for _ in range(8)])
+        opened = await asyncio.gather(*[service.open_fetch("x", 0, "") for _ in range(8)])
+        for o in opened:  # a disk read streams while it fills: wait for it to be checked
+            if o.filling is not None:
+                await o.filling.wait(o.adapter.total_bytes)
+        return [(o.record, o.adapter) for o in opened]
 
     results = store.call(many())
     assert {o.digest for _, o in results} == {digest}

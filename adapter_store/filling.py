@@ -1,0 +1,63 @@
+"""A payload that is still being read into memory, followed by the fetches that stream it.
+
+A CPU cache miss served from the disk tier opens the payload's file (header checked), then reads
+and hashes the payload on a worker thread while the fetches that asked for it already stream its
+first bytes: a fetch's time becomes the longer of the read and the stream rather than their sum.
+The last chunk is sent only once the whole payload has been read and its digest checked, so a
+fetch never completes with bytes that were not verified; a bad read fails the fetches that follow
+it (the servicer tells their clients to fetch again from the start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class Filling:
+    """Bytes [0, filled) of a payload of `total` bytes are in memory; `checked` once all of them
+    are and their digest matched; `error` when the read failed. Created, waited on and finished on
+    the event loop; `advance` may be called from the reading thread."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.filled = 0
+        self.checked = False
+        self.error: BaseException | None = None
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
+
+    # -- the reader's side -------------------------------------------------------------------
+    def advance(self, filled: int) -> None:
+        """From the reading thread: bytes [0, filled) are in memory."""
+        try:
+            self._loop.call_soon_threadsafe(self._set, filled)
+        except RuntimeError:
+            pass  # the loop is closed: the store is gone, and nobody waits any more
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """On the loop: the read ended, checked (error None) or failed."""
+        if error is None:
+            self.filled, self.checked = self.total, True
+        else:
+            self.error = error
+        self._wake()
+
+    def _set(self, filled: int) -> None:
+        if filled > self.filled and not self.checked:
+            self.filled = filled
+            self._wake()
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # -- a fetch's side ----------------------------------------------------------------------
+    async def wait(self, upto: int) -> None:
+        """Until bytes [0, upto) may be sent: in memory, and for the payload's end (upto == total)
+        checked as well. Raises the read's error once it has failed."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            if self.checked or (upto < self.total and self.filled >= upto):
+                return
+            await self._changed.wait()

@@ -1,0 +1,210 @@
+"""A payload read from the disk tier streams while it is read (adapter_store/filling.py), through a
+real store on port 0 and real files: the first chunks leave before the read ends, the last only
+once the payload is checked, concurrent fetches share one read, and a copy found damaged after
+bytes were sent makes the client fetch again from offset 0 and get the rebuilt payload."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from loraserve.adapter_store import payload_file
+from loraserve.adapter_store.disk_tier import DiskTier
+from loraserve.adapter_store.optimize import OptimizedAdapter
+from loraserve.adapter_store.payload_file import PayloadKey
+from loraserve.clients.adapter_fetch import FETCH_METHOD, fetch_adapter, fetch_adapter_async
+from loraserve.contract.chunk_codec import decode_response
+from loraserve.contract.payload import PayloadTensor
+from loraserve.v1 import store_pb2, store_pb2_grpc
+from tests.helpers.store_calls import register
+
+CHUNK = 4096
+
+
+def _value(store, name: str, labels: dict | None = None) -> float:
+    return store.service.metrics.value(name, labels)
+
+
+@pytest.fixture
+def evicted(start_store, tmp_path, monkeypatch):
+    """A store whose CPU cache holds one adapter, `x` (peft-all-r16-rslora) on disk only; reads
+    step through the file in 4 KiB and chunks are 4 KiB, so a payload is many of each."""
+    monkeypatch.setattr(payload_file, "READ_STEP", CHUNK)
+    tier = tmp_path / "tier"
+    store = start_store(cache_max_adapters=1, cache_dir=str(tier), chunk_bytes=CHUNK)
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-all-r16-rslora")
+        reference = fetch_adapter(stub, "x")
+        register(stub, "y", "peft-qv-r8")  # evicts x from memory
+    store.service.tier.flush()
+    assert info.size_bytes > 8 * CHUNK and "x" not in store.service.cache
+    return store, info, reference, tier / PayloadKey("x", info.digest).file_name
+
+
+def _hold_read_at(monkeypatch, at: int) -> tuple[threading.Event, threading.Event]:
+    """Disk reads stop once `at` bytes are read until `go` is set; `held` is set when one stops."""
+    held, go = threading.Event(), threading.Event()
+    real = DiskTier.read
+
+    def read(self, reader, progress=None):
+        def step(done: int) -> None:
+            if progress is not None:
+                progress(done)
+            if done >= at and not go.is_set():
+                held.set()
+                assert go.wait(10), "the test never let the read go on"
+
+        return real(self, reader, step)
+
+    monkeypatch.setattr(DiskTier, "read", read)
+    return held, go
+
+
+def test_chunks_stream_while_the_file_is_read_and_the_last_waits_for_the_check(evicted, monkeypatch) -> None:
+    store, info, reference, _ = evicted
+    held, go = _hold_read_at(monkeypatch, info.size_bytes // 2)
+    with grpc.insecure_channel(store.address) as ch:
+        call = ch.unary_stream(
+            FETCH_METHOD,
+            request_serializer=store_pb2.FetchAdapterRequest.SerializeToString,
+            response_deserializer=None,
+        )(store_pb2.FetchAdapterRequest(adapter_id="x"), timeout=20)
+        messages = iter(call)
+        manifest = decode_response(next(messages))
+        assert isinstance(manifest, store_pb2.FetchAdapterResponse) and manifest.HasField("manifest")
+        received = bytearray()
+        while len(received) < info.size_bytes // 2:  # half the payload arrives while the read is held
+            offset, data = decode_response(next(messages))
+            assert offset == len(received)
+            received += data
+        assert held.is_set() and "x" not in store.service.cache
+        go.set()
+        for raw in messages:
+            offset, data = decode_response(raw)
+            assert offset == len(received)
+            received += data
+    assert bytes(received) == reference.buffer.numpy().tobytes()
+    assert "x" in store.service.cache  # checked, then kept in memory
+    assert _value(store, "loraserve_store_disk_hits_total") == 1
+
+
+def test_a_payload_never_ends_before_it_is_checked(evicted, monkeypatch) -> None:
+    """Held just before its last byte, the read keeps the stream's final chunk back."""
+    store, info, reference, _ = evicted
+    held, go = _hold_read_at(monkeypatch, info.size_bytes)  # all read, the digest not yet compared
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        messages = stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="x"), timeout=20)
+        got = [next(messages)]
+        while sum(len(m.chunk.data) for m in got) < info.size_bytes - CHUNK:
+            got.append(next(messages))
+        assert held.wait(5)
+        done = threading.Event()
+
+        def rest() -> None:
+            got.extend(messages)
+            done.set()
+
+        threading.Thread(target=rest, daemon=True).start()
+        assert not done.wait(0.3)  # the last chunk is held back while the read is
+        go.set()
+        assert done.wait(10)
+    assert b"".join(m.chunk.data for m in got[1:]) == reference.buffer.numpy().tobytes()
+
+
+def test_concurrent_fetches_share_one_read(evicted, monkeypatch) -> None:
+    store, info, reference, _ = evicted
+    held, go = _hold_read_at(monkeypatch, info.size_bytes // 3)
+
+    async def many():
+        async with grpc.aio.insecure_channel(store.address) as ch:
+            fetches = [asyncio.ensure_future(fetch_adapter_async(ch, "x")) for _ in range(6)]
+            await asyncio.to_thread(held.wait, 10)
+            await asyncio.sleep(0.2)  # the other fetches join the read in progress
+            go.set()
+            return await asyncio.gather(*fetches)
+
+    results = store.call(many())
+    assert all(bool((r.buffer == reference.buffer).all()) for r in results)
+    assert _value(store, "loraserve_store_disk_hits_total") == 1
+    assert _value(store, "loraserve_store_fetch_open_seconds_count", {"origin": "disk"}) == 6
+
+
+def test_a_copy_found_damaged_after_bytes_were_sent_is_fetched_again(evicted) -> None:
+    store, info, reference, path = evicted
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x01  # the payload's end: chunks before it have been sent when the read fails
+    path.write_bytes(bytes(data))
+    with grpc.insecure_channel(store.address) as ch:
+        fetched = fetch_adapter(ch, "x", max_retries=1)
+    assert fetched.digest == info.digest and bool((fetched.buffer == reference.buffer).all())
+    assert _value(store, "loraserve_store_disk_corrupt_total") == 1
+    assert _value(store, "loraserve_store_builds_total", {"reason": "rebuild"}) == 1
+    assert [
+        _value(store, "loraserve_store_fetch_open_seconds_count", {"origin": o}) for o in ("disk", "source")
+    ] == [1, 1]
+    assert not path.exists() or store.service.tier.flush() is None  # removed, or rewritten by the rebuild
+
+
+def test_without_retries_the_damage_is_data_loss(evicted) -> None:
+    """A client that may not retry sees DATA_LOSS, marked to fetch again; the store stays up."""
+    store, info, _, path = evicted
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x01
+    path.write_bytes(bytes(data))
+    with grpc.insecure_channel(store.address) as ch:
+        with pytest.raises(grpc.RpcError) as caught:
+            fetch_adapter(ch, "x", max_retries=0)
+        assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+        assert ("loraserve-refetch", "1") in tuple(caught.value.trailing_metadata())
+        assert fetch_adapter(ch, "x").digest == info.digest  # rebuilt from the source
+
+
+def test_a_store_stopped_mid_read_stops(evicted, monkeypatch) -> None:
+    """Stopping the store while a read is held ends the fetch with an error, not a hang."""
+    store, info, _, _ = evicted
+    held, go = _hold_read_at(monkeypatch, info.size_bytes // 2)
+    errors: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            with grpc.insecure_channel(store.address) as ch:
+                fetch_adapter(ch, "x", max_retries=0, timeout=20)
+        except grpc.RpcError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=fetch, daemon=True)
+    t.start()
+    assert held.wait(10)
+    stopper = threading.Thread(target=store.stop, daemon=True)
+    stopper.start()
+    go.set()
+    t.join(20)
+    stopper.join(20)
+    assert not t.is_alive() and not stopper.is_alive()
+
+
+def test_payload_reader_reports_progress(tmp_path: Path) -> None:
+    """`PayloadReader.read` reports every step and closes its file; a short file is corrupt."""
+    payload = torch.arange(20_000, dtype=torch.float16).view(torch.uint8).clone()
+    digest = hashlib.sha256(payload.numpy().tobytes()).hexdigest()
+    tensor = PayloadTensor("t", (20_000,), "float16", 0, 40_000)
+    adapter = OptimizedAdapter([tensor], payload, digest, 8, "float16")
+    key = PayloadKey("p", digest)
+    payload_file.write_payload(tmp_path, key, adapter)
+    seen: list[int] = []
+    reader = payload_file.open_payload(tmp_path / key.file_name, key, 40_000)
+    got = reader.read(seen.append)
+    assert bytes(got.payload.numpy()) == bytes(payload.numpy())
+    assert seen == sorted(seen) and seen[-1] == 40_000 and len(seen) == -(-40_000 // payload_file.READ_STEP)
+    with open(tmp_path / key.file_name, "r+b") as f:
+        f.truncate((tmp_path / key.file_name).stat().st_size - 10)
+    with pytest.raises(payload_file.CorruptPayload):
+        payload_file.open_payload(tmp_path / key.file_name, key, 40_000)
