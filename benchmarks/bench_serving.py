@@ -66,6 +66,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.vocab = 0
+        self.store_metrics = ""  # the store's metrics address, read with each run's workers'
         self.results: dict[str, object] = {
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "device": device_name(args.device),
@@ -133,6 +134,8 @@ class Bench:
             else RunLimits(duration_s=duration)
         )
         stream = RequestStream(self.spec(ids, rate, seed))
+        if metrics and self.store_metrics:  # the store's too: where its fetches' payloads came from
+            metrics = [*metrics, self.store_metrics]
 
         async def go() -> dict:
             target = make_target()  # its channels belong to this run's event loop
@@ -297,9 +300,13 @@ def line_for(n: int, row: dict) -> str:
     sat, l80 = row["saturation"], row["load_80"]
     tiers = l80.get("ttft_ms_by_tier") or {}
     by_tier = "  ".join(f"{t} p99 {s['p99']} ({s['count']})" for t, s in tiers.items())
+    activity = l80.get("adapter_activity") or {}
+    fetch_ms = (activity.get("mean_load_ms") or {}).get("cpu")
+    origins = activity.get("store_fetch_origins") or {}
+    fetches = f"  fetch {fetch_ms} ms mean, store {origins}" if fetch_ms is not None else ""
     return (
         f"N={n:5d}  saturation {sat['request_throughput']:.2f} req/s {sat['output_token_throughput']:.0f} tok/s"
-        f"  @80% TTFT p50 {l80['ttft_ms']['p50']} p99 {l80['ttft_ms']['p99']} ms  by tier: {by_tier}"
+        f"  @80% TTFT p50 {l80['ttft_ms']['p50']} p99 {l80['ttft_ms']['p99']} ms  by tier: {by_tier}{fetches}"
     )
 
 
@@ -377,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fleet = Fleet(args.workdir)
     try:
         store = fleet.start_store(model_dir, adapter_root, cache_adapters=args.store_cache, dtype=args.dtype)
+        bench.store_metrics = store.metrics_address
         t1 = time.monotonic()
         register_all(store.address, adapter_root, names)
         print(f"{len(names)} adapters registered in {time.monotonic() - t1:.1f} s", flush=True)

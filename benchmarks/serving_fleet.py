@@ -220,7 +220,7 @@ class Fleet:
         self.services: list[Service] = []
 
     def start_store(self, model_dir: Path, adapter_root: Path, *, cache_adapters: int, dtype: str) -> Service:
-        port = free_port()
+        port, metrics = free_port(), free_port()
         data = self.workdir / "store-data"
         args = [sys.executable, "-m", "loraserve.cli", "store", "--base-model", str(model_dir)]
         args += ["--adapter-root", str(adapter_root), "--data-dir", str(data), "--port", str(port)]
@@ -232,12 +232,20 @@ class Fleet:
             "--max-lora-rank",
             "16",
         ]
-        args += ["--max-pending-registrations", "64", "--log-level", "WARNING"]
+        args += [
+            "--max-pending-registrations",
+            "64",
+            "--log-level",
+            "WARNING",
+            "--metrics-port",
+            str(metrics),
+        ]
         svc = Service(
             "store",
             f"127.0.0.1:{port}",
             _spawn("store", args, self.workdir / "store.log"),
             self.workdir / "store.log",
+            f"127.0.0.1:{metrics}",
         )
         self.services.append(svc)
         from loraserve.clients.store_client import StoreClient

@@ -98,7 +98,7 @@ class WorkerConfig:
     switch_interval_ms: float = 0.5
     gc_threshold: int = DEFAULT_GEN0_THRESHOLD
     stream_interval: int = 1
-    stream_process: bool = False
+    stream_process: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
     max_loras: int = 4

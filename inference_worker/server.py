@@ -50,6 +50,7 @@ SERVICE_NAME = "loraserve.v1.InferenceWorker"
 GENERATE_METHODS = ("Generate", "GenerateStream")
 ADMIN_METHODS = ("LoadAdapter", "UnloadAdapter", "PinAdapter")
 FAILED_GRACE_S = 5.0  # after a failure, for the failed calls' statuses to reach their clients
+FRONT_EXIT_S = 3.0  # how long a stopping worker lets its front finish its callers' calls
 FRONT_CONNECT_S = 30.0  # from the relay socket's listening to the front's connecting
 
 
@@ -193,11 +194,12 @@ class WorkerServer:
             return
         self._stopping = True
         if self.front is not None:
-            # what the generations in flight still send reaches their clients first
+            # what the generations in flight still send reaches their clients first: the calls
+            # end, the relay hands the front their last frames and closes, the front finishes them
             await _wait_while(lambda: bool(self.servicer.active), time.monotonic() + (grace or 0.0))
-            await asyncio.to_thread(self.front.stop)
-        if self.relay is not None:
-            await self.relay.close()
+            if self.relay is not None:
+                await self.relay.close()
+            await asyncio.to_thread(self.front.stop, FRONT_EXIT_S)
         await self.grpc_server.stop(grace)
         await asyncio.to_thread(self.engine.shutdown)
         if self.adapters is not None:

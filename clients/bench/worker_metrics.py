@@ -1,13 +1,14 @@
 """What the workers' Prometheus metrics say happened during a run: scrape each `/metrics` before and
 after, and take the difference of the adapter counters (loads by tier, evictions by tier, admission
-lookups by where the adapter was found) summed over the workers. Names follow
-inference_worker/adapters/metrics.py; a fetch from the store is a load into the CPU tier."""
+lookups by where the adapter was found, mean load time by tier) summed over the workers. Names follow
+inference_worker/adapters/metrics.py; a fetch from the store is a load into the CPU tier. A store's
+metrics among them add where its fetches' payloads came from (adapter_store/metrics.py)."""
 
 from __future__ import annotations
 
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
 
@@ -16,6 +17,9 @@ EVICTIONS = "loraserve_worker_adapter_evictions_total"
 LOOKUPS = "loraserve_worker_adapter_lookups_total"
 GENERATED = "loraserve_worker_generated_tokens_total"
 STEP_SEQUENCES = "loraserve_worker_step_sequences"  # histogram: _count, _sum
+LOAD_SECONDS = "loraserve_worker_adapter_load_seconds"  # histogram by tier: _count, _sum
+# a store's metrics among the URLs: where its fetches' payloads came from (memory, disk, source)
+STORE_OPEN_SECONDS = "loraserve_store_fetch_open_seconds"
 
 
 def metrics_url(url: str) -> str:
@@ -61,6 +65,8 @@ class AdapterActivity:
     generated_tokens: int
     steps: int = 0  # engine steps that ran the model, summed over the workers
     step_sequences: int = 0  # sequences over those steps (their mean is how full batches were)
+    load_ms: dict[str, float] = field(default_factory=dict)  # mean ms of a load, by tier
+    store_origins: dict[str, int] = field(default_factory=dict)  # a store's fetches by origin
 
     @property
     def store_fetches(self) -> int:
@@ -76,13 +82,21 @@ class AdapterActivity:
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,
             "mean_sequences_per_step": round(self.step_sequences / self.steps, 2) if self.steps else None,
+            "mean_load_ms": self.load_ms,
+            "store_fetch_origins": self.store_origins,
         }
 
 
 def _by_label(
-    before: Mapping[Sample, float], after: Mapping[Sample, float], name: str, label: str, **where: str
-) -> dict[str, int]:
-    out: dict[str, int] = {}
+    before: Mapping[Sample, float],
+    after: Mapping[Sample, float],
+    name: str,
+    label: str,
+    exact: bool = False,
+    **where: str,
+) -> dict[str, float]:
+    """The change of `name` by the value of `label` (rounded to counts unless `exact`)."""
+    out: dict[str, float] = {}
     for (sample, labels), value in after.items():
         if sample != name:
             continue
@@ -90,16 +104,20 @@ def _by_label(
         if any(d.get(k) != v for k, v in where.items()) or label not in d:
             continue
         delta = value - before.get((sample, labels), 0.0)
-        out[d[label]] = out.get(d[label], 0) + round(delta)
+        out[d[label]] = out.get(d[label], 0) + (delta if exact else round(delta))
     return out
 
 
-def _sum(parts: Sequence[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _sum_float(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
     for p in parts:
         for k, v in p.items():
             out[k] = out.get(k, 0) + v
     return dict(sorted(out.items()))
+
+
+def _sum(parts: Sequence[dict[str, float]]) -> dict[str, int]:
+    return {k: round(v) for k, v in _sum_float(parts).items()}
 
 
 def activity(
@@ -116,6 +134,8 @@ def activity(
     def delta(name: str) -> int:
         return sum(round(a.get((name, ()), 0.0) - b.get((name, ()), 0.0)) for b, a in pairs)
 
+    loads_n = _sum([_by_label(b, a, LOAD_SECONDS + "_count", "tier") for b, a in pairs])
+    loads_s = _sum_float([_by_label(b, a, LOAD_SECONDS + "_sum", "tier", exact=True) for b, a in pairs])
     return AdapterActivity(
         loads=_sum(ok),
         failed_loads=_sum(failed),
@@ -124,4 +144,6 @@ def activity(
         generated_tokens=delta(GENERATED),
         steps=delta(STEP_SEQUENCES + "_count"),
         step_sequences=delta(STEP_SEQUENCES + "_sum"),
+        load_ms={t: round(1e3 * loads_s.get(t, 0.0) / n, 2) for t, n in loads_n.items() if n},
+        store_origins=_sum([_by_label(b, a, STORE_OPEN_SECONDS + "_count", "origin") for b, a in pairs]),
     )

@@ -9,6 +9,7 @@ which aborts its sequence in the engine, as for a direct call."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -20,6 +21,7 @@ import grpc
 from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
 
 log = logging.getLogger("loraserve.worker")
+CLOSE_FLUSH_S = 2.0  # how long closing waits for the front to take what the calls sent last
 
 
 class RelayContext:
@@ -94,14 +96,21 @@ class RelayServer:
         self._methods = frozenset(methods)
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._writers: set[FrameWriter] = set()
         self.connected = asyncio.Event()  # the front is connected
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._connection, path)
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
+        """Stop relaying. What the calls have sent so far (their final statuses included) is
+        written to the front first, for up to `flush_s`, and then the socket is closed: the front
+        reads every frame, then the end, and finishes its callers' calls with what it was sent."""
         if self._server is not None:
             self._server.close()
+        for out in list(self._writers):
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+                await asyncio.wait_for(out.flush_and_close(), flush_s)
         for task in list(self._connections):
             task.cancel()
 
@@ -111,6 +120,7 @@ class RelayServer:
         self._connections.add(this)
         self.connected.set()
         out = FrameWriter(writer)
+        self._writers.add(out)
         calls: dict[int, asyncio.Task[None]] = {}
         try:
             while (ops := await read_frame(reader)) is not None:
@@ -126,6 +136,7 @@ class RelayServer:
             for task in list(calls.values()):
                 task.cancel()
             writer.close()
+            self._writers.discard(out)
             self._connections.discard(this)
 
     async def _handler(

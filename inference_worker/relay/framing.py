@@ -59,3 +59,11 @@ class FrameWriter:
         ops, self._ops = self._ops, []
         if ops and not self.writer.is_closing():
             self.writer.write(encode_frame(ops))
+
+    async def flush_and_close(self) -> None:
+        """Write what was added, wait until the socket took it, and close (the peer reads the end)."""
+        self._flush()
+        if not self.writer.is_closing():
+            await self.writer.drain()
+            self.writer.close()
+        await self.writer.wait_closed()

@@ -24,6 +24,7 @@ from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
 
 SERVICE = "/loraserve.v1.InferenceWorker/"
 RELAYED = {SERVICE + "GenerateStream": True, SERVICE + "Generate": False}  # -> response streaming
+CLOSE_GRACE_S = 2.0
 PASSED = {
     **{SERVICE + m: "unary_unary" for m in ("LoadAdapter", "UnloadAdapter", "PinAdapter", "ListAdapters")},
     SERVICE + "GetWorkerInfo": "unary_unary",
@@ -204,7 +205,10 @@ async def serve(args: argparse.Namespace) -> int:
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
     connect.cancel()
-    await server.stop(0)
+    # The worker closed the socket (it stops): every relayed call has its last operation queued
+    # (the worker's status, else "the worker stopped"), so a short grace lets them all send it.
+    # Stopped by a signal or the worker's death instead: at once.
+    await server.stop(CLOSE_GRACE_S if closed.done() and not stopped.done() else 0)
     await core.close()
     return 0
 

@@ -4,6 +4,7 @@ to the relay socket once the worker has loaded its model and listens there."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import subprocess
@@ -54,8 +55,13 @@ class FrontProcess:
 
         threading.Thread(target=wait, name="relay-front-watch", daemon=True).start()
 
-    def stop(self) -> None:
+    def stop(self, exit_within: float = 0.0) -> None:
+        """End the front: it may first exit on its own within `exit_within` seconds (it does once
+        the worker has closed the relay socket and its calls have ended), else it is terminated."""
         self._stopping = True
+        if exit_within > 0:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(exit_within)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

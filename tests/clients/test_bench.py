@@ -248,8 +248,13 @@ def test_metric_delta_sums_workers_and_splits_failed_loads() -> None:
     b.evictions.labels("gpu").inc(5)
     a.lookups.labels("miss").inc(3)
     b.lookups.labels("gpu").inc(7)
+    a.load_seconds.labels("cpu").observe(0.030)
+    b.load_seconds.labels("cpu").observe(0.050)
+    b.load_seconds.labels("gpu").observe(0.002)
     after = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (a, b)]
     act = worker_metrics.activity(before, after)
+    assert act.load_ms == {"cpu": 40.0, "gpu": 2.0}  # mean over both workers, by tier
+    assert act.store_origins == {}
     assert act.loads == {"cpu": 3, "gpu": 5}
     assert act.failed_loads == {"cpu": 2}
     assert act.evictions == {"gpu": 5}
@@ -258,6 +263,23 @@ def test_metric_delta_sums_workers_and_splits_failed_loads() -> None:
     assert worker_metrics.metrics_url("h:9090") == "http://h:9090/metrics"
     with pytest.raises(ValueError, match="http"):
         worker_metrics.scrape("file:///etc/passwd")
+
+
+def test_a_stores_metrics_add_where_its_fetches_came_from() -> None:
+    from prometheus_client import generate_latest
+
+    from loraserve.adapter_store.metrics import StoreMetrics
+
+    worker, store = AdapterMetrics(), StoreMetrics()
+    store.fetch_open_seconds.labels("memory").observe(0.001)
+    before = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (worker, store)]
+    for origin in ("memory", "disk", "disk", "source"):
+        store.fetch_open_seconds.labels(origin).observe(0.01)
+    worker.loads.labels("cpu", "ok").inc(4)
+    after = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (worker, store)]
+    act = worker_metrics.activity(before, after)
+    assert act.store_origins == {"disk": 2, "memory": 1, "source": 1}
+    assert act.store_fetches == 4 and act.as_dict()["store_fetch_origins"] == act.store_origins
 
 
 def test_summary_arithmetic_on_known_records() -> None:

@@ -1,5 +1,6 @@
 """`loraserve worker --tensor-parallel-size 2` as a real process: CPU, fp32, gRPC on 127.0.0.1 port 0,
-its log in a file. `ranks` holds rank 0 and its follower, found once the worker listens."""
+its log in a file. `ranks` holds rank 0 and its follower, `processes` those and the worker's helper
+processes (its stream relay's front), found once the worker listens."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ import psutil
 import pytest
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+HELPER_MODULES = ("inference_worker.relay.front", "inference_worker.fetching.child")
+
+
+def _helper(p: psutil.Process) -> bool:
+    try:
+        cmdline = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return any(m in cmdline for m in HELPER_MODULES)
 
 
 class WorkerProcess:
@@ -25,7 +35,10 @@ class WorkerProcess:
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         self.address = self._wait_listening(timeout_s=60)
-        self.ranks = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        main = psutil.Process(self.proc.pid)
+        self.processes = [main, *main.children(recursive=True)]
+        # the tensor-parallel ranks: not the worker's helper processes (the stream relay's front)
+        self.ranks = [main, *(p for p in self.processes[1:] if not _helper(p))]
 
     def _wait_listening(self, timeout_s: float) -> str:
         found: list[str] = []
@@ -54,6 +67,6 @@ class WorkerProcess:
         return self.log_path.read_text()
 
     def kill_all(self) -> None:
-        for p in self.ranks:
+        for p in self.processes:
             if p.is_running():
                 p.kill()

@@ -69,8 +69,8 @@ def check_failed_worker(w: WorkerProcess, cause: str) -> None:
     """Rank 0 exits with status 1 and one error line naming `cause`; no rank is left."""
     wait_until(lambda: not_serving(w.address), 10, "health NOT_SERVING or the server gone")
     assert w.proc.wait(timeout=20) == 1
-    _, alive = psutil.wait_procs(w.ranks, timeout=5)
-    assert not alive, f"ranks left running: {[p.pid for p in alive]}"
+    _, alive = psutil.wait_procs(w.processes, timeout=5)
+    assert not alive, f"processes left running: {[p.pid for p in alive]}"
     errors = [line for line in w.log().splitlines() if "ERROR" in line]
     assert len(errors) == 1 and cause in errors[0], w.log()
 
