@@ -114,6 +114,7 @@ class LoRASlots:
         self._staging: torch.Tensor | None = None  # CUDA loads: the payload's bytes on the device
         self._staging_lock = threading.Lock()
         self._view_cache: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._rank_cache: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
 
     @staticmethod
     def bytes_needed(hf_config: dict, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
@@ -132,8 +133,9 @@ class LoRASlots:
         """Raise SlotLoadError unless every tensor of `payload` fits these buffers."""
         self._plan(payload)
 
-    def _plan(self, payload: AdapterPayload) -> tuple[list[CopyRun], torch.Tensor]:
-        """(copy runs, ranks [num_layers, num_groups]) of a payload, validated; cached on it."""
+    def _plan(self, payload: AdapterPayload) -> tuple[list[CopyRun], tuple[tuple[int, ...], ...]]:
+        """(copy runs, ranks [num_layers][num_groups]) of a payload, validated; cached on it. Plain
+        Python: it runs on the event loop for each fetched adapter, beside the step thread."""
         if payload.copy_plan is not None:
             return payload.copy_plan  # type: ignore[return-value]
         if payload.rank > self.max_rank:
@@ -141,7 +143,7 @@ class LoRASlots:
                 f"adapter {payload.adapter_id} has rank {payload.rank}, "
                 f"over this worker's max_lora_rank {self.max_rank}"
             )
-        ranks = torch.zeros(self.num_layers, len(GROUPS), dtype=torch.int32)
+        ranks = [[0] * len(GROUPS) for _ in range(self.num_layers)]
         parsed: list[tuple[str, str, tuple[int, ...], int, PayloadTensor]] = []
         for t in payload.tensors:
             try:
@@ -175,7 +177,7 @@ class LoRASlots:
             ):
                 raise SlotLoadError(f"tensor {t.name} lies outside the payload or is misaligned")
             if which == "lora_a":
-                ranks[layer, GROUP_INDEX[group]] = rank
+                ranks[layer][GROUP_INDEX[group]] = rank
             parsed.append((group, which, tuple(t.shape), layer, t))
         self._check_dtypes(payload)
         runs: list[CopyRun] = []
@@ -202,10 +204,19 @@ class LoRASlots:
                 )
             else:
                 runs.append(CopyRun(group, which, layer, 1, shape, torch_dtype(t), t.offset, 0))
-        if self.device.type == "cuda":  # pinned: the slot's rank row is copied without a host sync
-            ranks = ranks.pin_memory()
-        payload.copy_plan = [runs, ranks]
-        return runs, ranks
+        plan = (runs, tuple(tuple(row) for row in ranks))
+        payload.copy_plan = list(plan)
+        return plan
+
+    def _ranks_on_device(self, ranks: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+        """[num_layers, num_groups] int32 on the device for a plan's ranks: adapters of one rank and
+        module set share it, so a load copies device to device (no host buffer to pin or sync on)."""
+        got = self._rank_cache.get(ranks)
+        if got is None:
+            if len(self._rank_cache) >= VIEW_CACHE_SIZE:
+                self._rank_cache.clear()
+            got = self._rank_cache[ranks] = torch.tensor(ranks, dtype=torch.int32).to(self.device)
+        return got
 
     def _check_dtypes(self, payload: AdapterPayload) -> None:
         """Refuse a conversion that could overflow; warn (once per payload: plans are cached) of
@@ -248,7 +259,7 @@ class LoRASlots:
                     staging[: payload.nbytes].copy_(data, non_blocking=data.is_pinned())
                     dsts, srcs = self._views(slot, runs, staging)
                     torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                self.ranks[:, :, slot].copy_(ranks, non_blocking=True)
+                self.ranks[:, :, slot].copy_(self._ranks_on_device(ranks), non_blocking=True)
                 return
             staged = torch.empty(payload.nbytes, dtype=torch.uint8, device=self.device)
             staged.copy_(data, non_blocking=data.is_pinned())
@@ -260,7 +271,7 @@ class LoRASlots:
                 self._copy_shard(run, src, layers, slot)
             else:
                 self._destination(run, slot).copy_(src, non_blocking=True)
-        self.ranks[:, :, slot].copy_(ranks, non_blocking=True)
+        self.ranks[:, :, slot].copy_(self._ranks_on_device(ranks), non_blocking=True)
 
     @staticmethod
     def _source(run: CopyRun, data: torch.Tensor) -> torch.Tensor:
