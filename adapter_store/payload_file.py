@@ -23,8 +23,10 @@ import hashlib
 import io
 import json
 import os
+import queue
 import re
 import struct
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,22 +144,36 @@ class PayloadReader:
         return self.adapter.total_bytes
 
     def read(self, progress: Callable[[int], None] | None = None) -> OptimizedAdapter:
-        """Read and hash the payload; `progress(bytes read so far)` after each step. CorruptPayload
-        when it is short or its sha256 is not the key's digest, OSError when it cannot be read. The
-        file is closed either way."""
+        """Read and hash the payload; `progress(bytes read so far)` after each step (the bytes are
+        in memory, not yet checked). The hash runs on a thread beside the reads, so the reads go at
+        the disk's pace and the check ends soon after the last one. CorruptPayload when the payload
+        is short or its sha256 is not the key's digest, OSError when it cannot be read. The file is
+        closed either way."""
         total = self.adapter.total_bytes
         view = memoryview(self.adapter.payload.numpy())  # type: ignore[arg-type]
         sha = hashlib.sha256()
+        ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+
+        def hash_ranges() -> None:  # hashlib lets go of the interpreter lock on large updates
+            while (r := ranges.get()) is not None:
+                sha.update(view[r[0] : r[1]])
+
+        hasher = threading.Thread(target=hash_ranges, name="payload-hash", daemon=True)
+        hasher.start()
         done = 0
-        with self._f as f:
-            while done < total:
-                n = f.readinto(view[done : min(done + READ_STEP, total)])
-                if not n:
-                    raise CorruptPayload(f"truncated: the payload is {done} of {total} bytes")
-                sha.update(view[done : done + n])
-                done += n
-                if progress is not None:
-                    progress(done)
+        try:
+            with self._f as f:
+                while done < total:
+                    n = f.readinto(view[done : min(done + READ_STEP, total)])
+                    if not n:
+                        raise CorruptPayload(f"truncated: the payload is {done} of {total} bytes")
+                    ranges.put((done, done + n))
+                    done += n
+                    if progress is not None:
+                        progress(done)
+        finally:
+            ranges.put(None)
+            hasher.join()
         if sha.hexdigest() != self.key.digest:
             raise CorruptPayload(f"the payload's sha256 is {sha.hexdigest()}, not {self.key.digest}")
         return self.adapter
