@@ -82,10 +82,14 @@ class Busy:
             t.join()
 
 
-async def timed_fetches(source: StoreSource, repeats: int) -> list[float]:
+async def timed_fetches(source: StoreSource, repeats: int, disk: bool = False) -> list[float]:
+    """`repeats` fetch times of "bench"; with `disk`, each after one of "other", which takes the
+    store's single cache entry: every timed fetch then streams from the store's disk tier."""
     await source.fetch("bench")  # warm: connection, process, segment
     times = []
     for _ in range(repeats):
+        if disk:
+            await source.fetch("other")
         t0 = time.perf_counter()
         await source.fetch("bench")
         times.append(time.perf_counter() - t0)
@@ -99,6 +103,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--rounds", type=int, default=2, help="each case this many times, interleaved")
     p.add_argument("--switch-interval-ms", type=float, default=0.5, help="as the worker sets it")
+    p.add_argument(
+        "--origin",
+        choices=("memory", "disk"),
+        default="memory",
+        help="where the store finds the payload: its CPU cache, or its disk tier (cache of one adapter)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
@@ -108,19 +118,23 @@ def main() -> int:
         base = tmp_path / "base"
         base.mkdir()
         (base / "config.json").write_text(json.dumps(config))
-        spec = DemoAdapterSpec("bench", r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, seed=7)
-        write_peft_adapter(
-            tmp_path / "root" / "bench",
-            config,
-            spec,
-            dtype=torch.bfloat16,
-            base_model_name=config["_name_or_path"],
-        )
+        for seed, name in enumerate(("bench", "other")):
+            spec = DemoAdapterSpec(
+                name, r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, seed=7 + seed
+            )
+            write_peft_adapter(
+                tmp_path / "root" / name,
+                config,
+                spec,
+                dtype=torch.bfloat16,
+                base_model_name=config["_name_or_path"],
+            )
         port = free_port()
         store = subprocess.Popen(
             [sys.executable, "-m", "loraserve.cli", "store", "--host", "127.0.0.1", "--port", str(port),
              "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
-             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING"],
+             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING",
+             *(["--cache-max-adapters", "1"] if args.origin == "disk" else [])],
             cwd=str(ROOT),
         )  # fmt: skip
         try:
@@ -128,6 +142,7 @@ def main() -> int:
             wait_ready(address, store)
             with StoreClient(address) as client:
                 client.register("bench", "bench")
+                client.register("other", "other")
             results: dict[str, list[float]] = {}
 
             async def measure() -> None:
@@ -140,7 +155,7 @@ def main() -> int:
                         for name, source in sources.items():
                             for load in ("alone", "busy"):
                                 with Busy() if load == "busy" else contextlib.nullcontext():
-                                    times = await timed_fetches(source, args.repeats)
+                                    times = await timed_fetches(source, args.repeats, args.origin == "disk")
                                 results.setdefault(f"{name}|{load}", []).extend(times)
                 finally:
                     for source in sources.values():
@@ -158,7 +173,7 @@ def main() -> int:
             "p90_ms": round(1e3 * times[math.ceil(0.9 * len(times)) - 1], 2),  # nearest rank
             "n": len(times),
         }
-    print(f"\nfetch of one {args.shape}-shaped rank-{args.rank} adapter (all seven modules), "
+    print(f"\nfetch of one {args.shape}-shaped rank-{args.rank} adapter (all seven modules) from the store's {args.origin}, "
           f"switch interval {args.switch_interval_ms} ms, {platform.node()}")  # fmt: skip
     print("| path | load | median ms | p90 ms |")
     print("| --- | --- | ---: | ---: |")
@@ -169,7 +184,7 @@ def main() -> int:
         a, b = rows[f"in-process|{load}"]["median_ms"], rows[f"fetch process|{load}"]["median_ms"]
         print(f"{load}: in-process / fetch process = {a / b:.2f}x")
     if args.json:
-        out = {"shape": args.shape, "rank": args.rank, "rows": rows,
+        out = {"shape": args.shape, "rank": args.rank, "origin": args.origin, "rows": rows,
                "switch_interval_ms": args.switch_interval_ms, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -30,6 +30,7 @@ import functools
 import io
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,17 @@ def resident_share(summary: dict) -> float | None:
     return round((counts.get("gpu", 0) + counts.get("cpu", 0)) / total, 4) if total else None
 
 
+def host_cpu() -> str:
+    """The host's CPU model and core count (Linux), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -70,6 +82,7 @@ class Bench:
         self.results: dict[str, object] = {
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "device": device_name(args.device),
+            "host_cpu": host_cpu(),  # runs on different hosts differ: compare within one run
             # the run's settings, without this machine's paths and addresses
             "config": {
                 k: v
