@@ -115,6 +115,7 @@ class LoRASlots:
         self._staging_lock = threading.Lock()
         self._view_cache: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._rank_cache: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
+        self._plan_cache: dict[tuple, tuple[list[CopyRun], tuple[tuple[int, ...], ...]]] = {}
 
     @staticmethod
     def bytes_needed(hf_config: dict, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
@@ -138,6 +139,20 @@ class LoRASlots:
         Python: it runs on the event loop for each fetched adapter, beside the step thread."""
         if payload.copy_plan is not None:
             return payload.copy_plan  # type: ignore[return-value]
+        # adapters of one rank and module set share a layout: planned once for all of them
+        layout = (payload.rank, payload.nbytes, tuple(payload.tensors))
+        known = self._plan_cache.get(layout)
+        if known is not None:
+            payload.copy_plan = list(known)
+            return known
+        plan = self._plan_layout(payload)
+        if len(self._plan_cache) >= VIEW_CACHE_SIZE:
+            self._plan_cache.clear()
+        self._plan_cache[layout] = plan
+        payload.copy_plan = list(plan)
+        return plan
+
+    def _plan_layout(self, payload: AdapterPayload) -> tuple[list[CopyRun], tuple[tuple[int, ...], ...]]:
         if payload.rank > self.max_rank:
             raise SlotLoadError(
                 f"adapter {payload.adapter_id} has rank {payload.rank}, "
@@ -204,9 +219,7 @@ class LoRASlots:
                 )
             else:
                 runs.append(CopyRun(group, which, layer, 1, shape, torch_dtype(t), t.offset, 0))
-        plan = (runs, tuple(tuple(row) for row in ranks))
-        payload.copy_plan = list(plan)
-        return plan
+        return runs, tuple(tuple(row) for row in ranks)
 
     def _ranks_on_device(self, ranks: tuple[tuple[int, ...], ...]) -> torch.Tensor:
         """[num_layers, num_groups] int32 on the device for a plan's ranks: adapters of one rank and
@@ -219,7 +232,7 @@ class LoRASlots:
         return got
 
     def _check_dtypes(self, payload: AdapterPayload) -> None:
-        """Refuse a conversion that could overflow; warn (once per payload: plans are cached) of
+        """Refuse a conversion that could overflow; warn (once per layout: plans are cached) of
         any other."""
         others = sorted(
             {str(torch_dtype(t)).removeprefix("torch.") for t in payload.tensors} - {self._dtype_name}

@@ -69,6 +69,29 @@ def test_check_rejects_what_does_not_fit(config):
         )
 
 
+def test_adapters_of_one_layout_share_a_plan_and_each_lands_in_its_slot(config):
+    """The copy plan is made once per layout (rank and module set): a second adapter of the same
+    layout reuses it and still lands its own weights; a layout that does not fit is still refused
+    after a fitting one was planned, and another rank gets its own plan and ranks."""
+    slots = LoRASlots(config, max_loras=3, max_rank=8, dtype=torch.float32, device="cpu")
+    mods = {"q_proj": 4, "down_proj": 4}
+    first, second = (payload_of(random_adapter(config, mods, seed=s), config, f"a{s}") for s in (3, 4))
+    slots.load(0, first)
+    slots.load(1, second)
+    assert second.copy_plan is not None and second.copy_plan[0] is first.copy_plan[0]
+    for slot, p in ((0, first), (1, second)):
+        want = p.view(next(t for t in p.tensors if t.name == "layers.0.down.lora_b"))
+        assert torch.equal(slots.b[0]["down"][slot][:, :4], want)
+    too_big = payload_of(random_adapter(config, {"q_proj": 16}, seed=5), config, "big")
+    with pytest.raises(SlotLoadError, match="rank 16"):
+        slots.check(too_big)
+    other = payload_of(random_adapter(config, {"q_proj": 8}, seed=6), config, "r8")
+    slots.load(2, other)
+    assert other.copy_plan[0] is not first.copy_plan[0]
+    assert [int(slots.group_ranks(0, g)[2]) for g in ("qkv", "down")] == [8, 0]
+    assert [int(slots.group_ranks(0, g)[1]) for g in ("qkv", "down")] == [4, 4]
+
+
 def test_layer_applies_each_rows_adapter(config):
     """y += delta of the row's slot, per PEFT's math: scale * (x @ A_i.T) @ B_i.T per slice."""
     slots = LoRASlots(config, max_loras=4, max_rank=16, dtype=torch.float32, device="cpu")
