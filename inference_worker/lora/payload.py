@@ -3,6 +3,7 @@ buffer — pinned when CUDA is present — plus the manifest's tensor table."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -37,6 +38,12 @@ class AdapterPayload:
     data: torch.Tensor  # [total_bytes] uint8, contiguous (pinned on CUDA hosts)
     tensors: list[PayloadTensor]
     copy_plan: list | None = field(default=None, repr=False, compare=False)  # LoRASlots' cache
+
+    @functools.cached_property
+    def pinned(self) -> bool:
+        """Whether `data` is in pinned memory (asked once: each torch call on the step thread is a
+        point where another thread may take the interpreter)."""
+        return bool(self.data.is_pinned())
 
     @property
     def key(self) -> str:

@@ -116,6 +116,8 @@ class LoRASlots:
         self._view_cache: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._rank_cache: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
         self._plan_cache: dict[tuple, tuple[list[CopyRun], tuple[tuple[int, ...], ...]]] = {}
+        self._heads: dict[int, torch.Tensor] = {}  # the staging buffer's first n bytes, by n
+        self._rank_rows = [self.ranks[:, :, slot] for slot in range(max_loras)]
 
     @staticmethod
     def bytes_needed(hf_config: dict, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
@@ -268,14 +270,18 @@ class LoRASlots:
                 # a handful of calls, each a point where the step thread may lose the interpreter
                 # to another thread: one staging buffer and the copies' views, reused
                 with self._staging_lock:
-                    staging = self._staging_for(payload.nbytes)
-                    staging[: payload.nbytes].copy_(data, non_blocking=data.is_pinned())
+                    staging, head = self._staging_for(payload.nbytes)
+                    head.copy_(data, non_blocking=payload.pinned)
                     dsts, srcs = self._views(slot, runs, staging)
-                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                self.ranks[:, :, slot].copy_(self._ranks_on_device(ranks), non_blocking=True)
+                    # the slot's ranks ride along: one call for every device-side copy
+                    torch._foreach_copy_(
+                        [*dsts, self._rank_rows[slot]],
+                        [*srcs, self._ranks_on_device(ranks)],
+                        non_blocking=True,
+                    )
                 return
             staged = torch.empty(payload.nbytes, dtype=torch.uint8, device=self.device)
-            staged.copy_(data, non_blocking=data.is_pinned())
+            staged.copy_(data, non_blocking=payload.pinned)
             data = staged
         for run in runs:
             src = self._source(run, data)
@@ -310,13 +316,19 @@ class LoRASlots:
             return self.a_all[run.group][layers, slot, :, :r, :]
         return self.b_all[run.group][layers, slot, :, :r]
 
-    def _staging_for(self, nbytes: int) -> torch.Tensor:
-        """The device staging buffer, grown (and the cached views dropped) when too small. Copies
-        into it queue on the stream after the last load's copies out of it."""
+    def _staging_for(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device staging buffer and its first `nbytes`, grown (and the cached views dropped)
+        when too small. Copies into it queue on the stream after the last load's copies out of it."""
         if self._staging is None or self._staging.numel() < nbytes:
             self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._view_cache.clear()
-        return self._staging
+            self._heads.clear()
+        head = self._heads.get(nbytes)
+        if head is None:
+            if len(self._heads) >= VIEW_CACHE_SIZE:
+                self._heads.clear()
+            head = self._heads[nbytes] = self._staging[:nbytes]
+        return self._staging, head
 
     def _views(
         self, slot: int, runs: list[CopyRun], staging: torch.Tensor
