@@ -34,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -72,6 +73,44 @@ def host_cpu() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+class EngineSampler:
+    """How often the worker's engine holds no request at all (nothing running, nothing waiting)
+    while the load runs: GetWorkerInfo every `interval_s` on a thread of its own. At saturation an
+    empty engine means requests are somewhere else (in transit, or finished and not yet seen)."""
+
+    def __init__(self, address: str, interval_s: float = 0.02) -> None:
+        self.address, self.interval_s = address, interval_s
+        self.samples: list[tuple[int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
+
+    def _run(self) -> None:
+        from loraserve.clients.worker_client import WorkerClient
+
+        with WorkerClient(self.address, timeout=2) as client:
+            while not self._stop.wait(self.interval_s):
+                with contextlib.suppress(Exception):  # a missed sample is no result
+                    info = client.info()
+                    self.samples.append((info.num_running, info.num_waiting))
+
+    def __enter__(self) -> EngineSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        n = len(self.samples) or 1
+        return {
+            "samples": len(self.samples),
+            "empty_share": round(sum(1 for r, w in self.samples if r + w == 0) / n, 4),
+            "mean_running": round(sum(r for r, _ in self.samples) / n, 2),
+            "mean_waiting": round(sum(w for _, w in self.samples) / n, 2),
+        }
 
 
 class Bench:
@@ -192,10 +231,14 @@ class Bench:
                 row["warmup"] = self.load(
                     target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address]
                 )
-            with self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant):
+            with (
+                self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant),
+                EngineSampler(worker.address) as engine,
+            ):
                 sat = self.load(
                     target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address]
                 )
+            sat["engine"] = engine.summary()
             row["saturation"] = sat
             throughput = float(sat["request_throughput"])
             for share in (0.5, 0.8):
@@ -317,6 +360,8 @@ def line_for(n: int, row: dict) -> str:
     fetch_ms = (activity.get("mean_load_ms") or {}).get("cpu")
     origins = activity.get("store_fetch_origins") or {}
     fetches = f"  fetch {fetch_ms} ms mean, store {origins}" if fetch_ms is not None else ""
+    if "engine" in sat:
+        fetches += f"  engine empty {sat['engine']['empty_share']:.0%} at saturation"
     return (
         f"N={n:5d}  saturation {sat['request_throughput']:.2f} req/s {sat['output_token_throughput']:.0f} tok/s"
         f"  @80% TTFT p50 {l80['ttft_ms']['p50']} p99 {l80['ttft_ms']['p99']} ms  by tier: {by_tier}{fetches}"
