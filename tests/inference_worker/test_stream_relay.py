@@ -113,3 +113,30 @@ def test_health_watch_passes_through(start_worker) -> None:
     )
     assert next(iter(watch)).status == health_pb2.HealthCheckResponse.SERVING
     watch.cancel()
+
+
+def test_a_failing_worker_s_statuses_reach_every_caller_through_the_front(start_worker) -> None:
+    """The worker fails while streams run: each caller gets the worker's own status and message
+    through the front (the front finishes the calls it carries before it ends), not a closed
+    socket or a cancellation."""
+    bg = start_worker(stream_process=True, max_num_seqs=8)
+    stub = stub_for(bg.address)
+    streams = [
+        stub.GenerateStream(build_request(f"Hello {i}", max_tokens=1000, ignore_eos=True), timeout=60)
+        for i in range(8)
+    ]
+    for s in streams:
+        next(iter(s))  # all eight are running
+    failure = DependencyUnavailable("the accelerator went away (test)")
+
+    async def fail() -> None:
+        bg.server.fail(failure)
+
+    bg.call(fail())
+    for s in streams:
+        with pytest.raises(grpc.RpcError) as err:
+            list(s)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the accelerator went away (test)" in (err.value.details() or "")
+    assert wait_for(lambda: bg.server.stopped.is_set())
+    assert wait_for(lambda: bg.server.front.proc.poll() is not None)  # and then the front ended
