@@ -285,7 +285,8 @@ class AdapterService:
 
     async def _fill(self, record: AdapterRecord, reader: PayloadReader, filling: Filling) -> None:
         """Read the opened file's payload; checked, it joins the CPU cache, else the fetches that
-        followed the read fail (PayloadDamaged: fetch again; Unavailable: resume)."""
+        followed the read fail (PayloadDamaged: fetch again; Unavailable: resume; anything else is
+        a bug, INTERNAL). Whatever happens, the fetches waiting on `filling` are released."""
         assert self.tier is not None
         error: BaseException | None = None
         try:
@@ -300,12 +301,18 @@ class AdapterService:
             error = Unavailable(
                 f"adapter {record.adapter_id!r}: reading the store's disk copy failed ({exc})"
             )
-        finally:
-            del self._reading[(record.adapter_id, record.digest)]
-        if error is None:
+        except BaseException as exc:  # a bug, or the store stopping: no fetch may wait forever
+            if isinstance(exc, Exception):
+                log.exception("disk tier: reading %s failed unexpectedly", record.adapter_id)
+            error = exc if isinstance(exc, Exception) else Unavailable("the store is stopping")
+            raise
+        else:
             self.cache.put(record.adapter_id, reader.adapter, record)
             self._cache_gauges()
-        filling.finish(error)
+        finally:
+            reader.close()  # closed by the read already, unless it never ran
+            del self._reading[(record.adapter_id, record.digest)]
+            filling.finish(error)
 
     async def _rebuild(self, record: AdapterRecord) -> OptimizedAdapter:
         with tracing.span("store.build", {"loraserve.adapter.id": record.adapter_id}):

@@ -208,3 +208,24 @@ def test_payload_reader_reports_progress(tmp_path: Path) -> None:
         f.truncate((tmp_path / key.file_name).stat().st_size - 10)
     with pytest.raises(payload_file.CorruptPayload):
         payload_file.open_payload(tmp_path / key.file_name, key, 40_000)
+
+
+def test_a_bug_in_the_read_fails_its_fetches_instead_of_hanging_them(evicted, monkeypatch) -> None:
+    """Anything unexpected while a disk copy is read ends the fetches following it (INTERNAL),
+    at once; the store stays up and the next fetch reads the file again."""
+    store, info, reference, _ = evicted
+    real = DiskTier.read
+
+    def broken(self, reader, progress=None):
+        if progress is not None:
+            progress(CHUNK)  # some bytes were streamed already
+        raise RuntimeError("a bug in the read path")
+
+    monkeypatch.setattr(DiskTier, "read", broken)
+    with grpc.insecure_channel(store.address) as ch:
+        with pytest.raises(grpc.RpcError) as caught:
+            fetch_adapter(ch, "x", max_retries=0, timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        monkeypatch.setattr(DiskTier, "read", real)
+        fetched = fetch_adapter(ch, "x", timeout=10)
+    assert fetched.digest == info.digest and bool((fetched.buffer == reference.buffer).all())
