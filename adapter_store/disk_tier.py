@@ -115,16 +115,6 @@ class DiskTier:
         self.metrics.disk_read_bytes.inc(adapter.total_bytes)
         return adapter
 
-    def get(self, record: AdapterRecord) -> OptimizedAdapter | None:
-        """The checked payload of `record`'s digest, or None (absent, bad or unreadable). Blocking."""
-        reader = self.open(record)
-        if reader is None:
-            return None
-        try:
-            return self.read(reader)
-        except (CorruptPayload, OSError):
-            return None
-
     def _read_failed(self, key: PayloadKey, exc: BaseException) -> None:
         self.metrics.disk_misses.inc()
         if isinstance(exc, CorruptPayload):

@@ -1,8 +1,8 @@
 """A payload that is still being read into memory, followed by the fetches that stream it.
 
 A CPU cache miss served from the disk tier opens the payload's file (header checked), then reads
-and hashes the payload on a worker thread while the fetches that asked for it already stream its
-first bytes: a fetch's time becomes the longer of the read and the stream rather than their sum.
+the payload on a worker thread (hashing it on another, beside the reads) while the fetches that
+asked for it already stream its first bytes: a fetch's time becomes the longer of the read and the stream rather than their sum.
 The last chunk is sent only once the whole payload has been read and its digest checked, so a
 fetch never completes with bytes that were not verified; a bad read fails the fetches that follow
 it (the servicer tells their clients to fetch again from the start).

@@ -220,9 +220,3 @@ def open_payload(path: Path, key: PayloadKey, expected_bytes: int) -> PayloadRea
         f.close()
         raise
     return PayloadReader(f, key, OptimizedAdapter(tensors, payload, key.digest, rank, dtype, layout_version))
-
-
-def read_payload(path: Path, key: PayloadKey, expected_bytes: int) -> OptimizedAdapter:
-    """The payload that the file at `path` holds for `key`, checked in full (`open_payload`, then
-    the payload's sha256)."""
-    return open_payload(path, key, expected_bytes).read()
