@@ -183,9 +183,10 @@ class Child:
 
 
 def main() -> None:
-    # Ctrl-C reaches the whole process group: the worker decides when this process ends (it
-    # closes the pipe), so the interrupt is not ours to act on
+    # Ctrl-C and a SIGTERM to the whole process group reach this process too: the worker decides
+    # when it ends (it sends "stop" or closes the pipe), so neither is ours to act on
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox = Connection(os.dup(0), writable=False)
     outbox = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # prints and logs go to stderr; stdout carries only the protocol

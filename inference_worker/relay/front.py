@@ -5,7 +5,8 @@ It serves the worker's public address. Generate and GenerateStream go to the wor
 socket (framing.py) and their messages come back a step's worth at a time; every other call (the
 admin RPCs, health, reflection) passes through to the worker's gRPC server on its private port,
 metadata included, so tokens and statuses are the worker's own. It prints `listening PORT` (or
-`error MESSAGE`) on stdout once, then logs on stderr, and exits when the worker's socket closes.
+`error MESSAGE`) on stdout once, then logs on stderr, and exits when the worker's socket or its
+stdin (the worker's end of the pipe) closes; it ignores SIGINT and SIGTERM, which are the worker's.
 """
 
 from __future__ import annotations
@@ -197,8 +198,8 @@ async def serve(args: argparse.Namespace) -> int:
     print(f"listening {port}", flush=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    # the worker holds our stdin open while it lives: its end (however the worker ended) is ours
+    # the worker holds our stdin open while it lives: its end (however the worker ended, or its
+    # closing the pipe to stop us) is ours
     loop.add_reader(0, _on_stdin, stop)
     connect = asyncio.ensure_future(link.connect(args.socket))
     closed = asyncio.ensure_future(link.closed.wait())
@@ -207,7 +208,7 @@ async def serve(args: argparse.Namespace) -> int:
     connect.cancel()
     # The worker closed the socket (it stops): every relayed call has its last operation queued
     # (the worker's status, else "the worker stopped"), so a short grace lets them all send it.
-    # Stopped by a signal or the worker's death instead: at once.
+    # Stopped by the worker (its pipe closed) or its death instead: at once.
     await server.stop(CLOSE_GRACE_S if closed.done() and not stopped.done() else 0)
     await core.close()
     return 0
@@ -224,7 +225,10 @@ def _on_stdin(stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the worker's to act on
+    # Ctrl-C and a SIGTERM to the whole process group (`kill -- -PGID`, `timeout`) are the worker's
+    # to act on: it drains, then ends this process through the pipe, after its calls are finished
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     p = argparse.ArgumentParser(prog="loraserve-worker-front")
     p.add_argument("--host", required=True)
     p.add_argument("--port", type=int, required=True)

@@ -57,13 +57,15 @@ class FrontProcess:
 
     def stop(self, exit_within: float = 0.0) -> None:
         """End the front: it may first exit on its own within `exit_within` seconds (it does once
-        the worker has closed the relay socket and its calls have ended), else it is terminated."""
+        the worker has closed the relay socket and its calls have ended), else its stdin is closed,
+        which stops it at once; killed if it has not ended within STOP_WAIT_S."""
         self._stopping = True
         if exit_within > 0:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(exit_within)
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # the front's signal to stop (it ignores SIGTERM)
             try:
                 self.proc.wait(STOP_WAIT_S)
             except subprocess.TimeoutExpired:

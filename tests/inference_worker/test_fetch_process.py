@@ -91,6 +91,25 @@ def test_a_killed_process_fails_its_fetches_and_is_replaced(lora_store):
     assert run(_with_source(lora_store.address, body)).rank == 16
 
 
+def test_a_sigterm_to_the_process_group_is_the_worker_s_to_act_on(lora_store):
+    """`kill -- -PGID`, `timeout` or a terminal reach the fetch process too: it ignores SIGTERM
+    and SIGINT and goes on serving, ending only when the worker stops it."""
+
+    async def body(source):
+        await source.fetch("all-r4")
+        child = source._process._child
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(child.proc.pid, sig)
+        await asyncio.sleep(0.3)
+        assert child.alive and child.proc.poll() is None
+        got = await source.fetch("mlp-rs16")
+        assert source._process._child is child  # the same process served it
+        return got, child
+
+    got, child = run(_with_source(lora_store.address, body))
+    assert got.rank == 16 and child.proc.poll() is not None  # closing the source ended it
+
+
 def test_a_fetch_killed_midway_fails_as_unavailable(lora_store):
     async def body(source):
         source.start()

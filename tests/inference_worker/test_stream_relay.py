@@ -140,3 +140,19 @@ def test_a_failing_worker_s_statuses_reach_every_caller_through_the_front(start_
         assert "the accelerator went away (test)" in (err.value.details() or "")
     assert wait_for(lambda: bg.server.stopped.is_set())
     assert wait_for(lambda: bg.server.front.proc.poll() is not None)  # and then the front ended
+
+
+def test_the_front_leaves_a_sigterm_to_its_worker(start_worker) -> None:
+    """A SIGTERM to the whole process group reaches the front too: it ignores it (the worker
+    drains, then ends the front through its pipe), so the worker is not failed by it."""
+    bg = start_worker(stream_process=True)
+    front = bg.server.front
+    os.kill(front.proc.pid, signal.SIGTERM)
+    os.kill(front.proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert front.proc.poll() is None and bg.server.failure is None
+    reply = stub_for(bg.address).Generate(build_request("Hello", max_tokens=3, ignore_eos=True), timeout=30)
+    assert len(reply.token_ids) == 3
+    started = time.monotonic()
+    bg.stop()
+    assert front.proc.poll() is not None and time.monotonic() - started < 10
