@@ -179,6 +179,7 @@ def build_adapters(
         max_cpu_loras=config.max_cpu_loras,
         max_cpu_bytes=config.max_cpu_lora_mb << 20,
         worker_id=config.resolved_worker_id,
+        popularity_half_life_s=config.popularity_half_life_s,
     )
     list_digests = source.digests if isinstance(source, StoreSource) else None
     adapters = WorkerAdapters(

@@ -58,6 +58,10 @@ _HELP = {
     "at most half the CPU cache)",
     "adapter_prefetch": "adapters fetched per coordination round from the fleet's most popular that "
     "complementary placement gives this worker, in place of colder CPU cache entries (0 = off)",
+    "popularity_half_life_s": "how fast an adapter's request count fades: it halves every this many "
+    "seconds without requests. The fleet ranks adapters for prefetch by these counts; they tell the "
+    "head of the adapter set from its tail only when the adapters near the CPU tiers' edge have been "
+    "asked for a few times within it, so fleets with little traffic want it longer",
     "adapter_poll_interval_s": "seconds between checks of the store for re-registered or deleted adapters",
     "store_address": "adapter store address host:port (adapters disabled when empty)",
     "fetch_process": "receive adapters from the store in a child process, handed over through shared "
@@ -107,6 +111,7 @@ class WorkerConfig:
     max_cpu_lora_mb: int = 8192
     adapter_lookahead: int = 16
     adapter_prefetch: int = 8
+    popularity_half_life_s: float = 300.0
     adapter_poll_interval_s: float = 2.0
     store_address: str = ""
     fetch_process: bool = True
@@ -183,6 +188,8 @@ class WorkerConfig:
             problems.append("metrics_top_adapters must be in [1, 1000]")
         if self.adapter_poll_interval_s <= 0:
             problems.append("adapter_poll_interval_s must be > 0")
+        if not self.popularity_half_life_s > 0:
+            problems.append("popularity_half_life_s must be > 0")
         if self.tensor_parallel_timeout_s <= 0:
             problems.append("tensor_parallel_timeout_s must be > 0")
         if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):

@@ -55,6 +55,7 @@ class AdapterPool:
         max_cpu_bytes: int,
         worker_id: str = "worker",
         metrics: AdapterMetrics | None = None,
+        popularity_half_life_s: float = 300.0,
     ) -> None:
         self.lock = threading.RLock()
         self.slots = slots
@@ -75,7 +76,7 @@ class AdapterPool:
         # sequence key -> its queue position; what they name is evicted last (or not at all)
         self.wanted: dict[str, int] = {}
         self.queue_pos: dict[int, int] = {}
-        self.popularity = PopularityCounter()
+        self.popularity = PopularityCounter(popularity_half_life_s)
         self._stats: dict[str, AdapterStats] = {}
         lookups = self.metrics.lookups
         self._lookup_gpu, self._lookup_cpu, self._lookup_miss = (
