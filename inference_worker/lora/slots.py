@@ -133,8 +133,11 @@ class LoRASlots:
         return sum((t[0, 0].nbytes * self.num_layers) for t in (*self.a_all.values(), *self.b_all.values()))
 
     def check(self, payload: AdapterPayload) -> None:
-        """Raise SlotLoadError unless every tensor of `payload` fits these buffers."""
+        """Raise SlotLoadError unless every tensor of `payload` fits these buffers. Runs where the
+        payload arrives (the event loop), so what a load needs is ready before the step thread's turn."""
         self._plan(payload)
+        if self.device.type == "cuda":
+            _ = payload.pinned  # asked here once, not on the step thread
 
     def _plan(self, payload: AdapterPayload) -> tuple[list[CopyRun], tuple[tuple[int, ...], ...]]:
         """(copy runs, ranks [num_layers][num_groups]) of a payload, validated; cached on it. Plain
