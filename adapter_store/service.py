@@ -82,7 +82,7 @@ class AdapterService:
         self.cache = AdapterCache(config.cache_max_adapters, config.cache_max_bytes, on_evict=self._evicted)
         self.flight = SingleFlight()
         # payloads being read from the disk tier, by (adapter id, digest): fetches stream them meanwhile
-        self._reading: dict[tuple[str, str], tuple[OptimizedAdapter, str, Filling | None]] = {}
+        self._reading: dict[tuple[str, str], tuple[OptimizedAdapter, Filling]] = {}
         self._fills: set[asyncio.Future[None]] = set()
         tier_dir = config.payload_cache_dir
         self.tier = DiskTier(tier_dir, config.cache_dir_max_bytes, self.metrics) if tier_dir else None
@@ -251,9 +251,10 @@ class AdapterService:
             self.metrics.cache_misses.inc()
             key = (adapter_id, record.digest)
             reading = self._reading.get(key)
-            if reading is None:
-                reading = await self.flight.do(("load", *key), lambda: self._load(record))
-            optimized, origin, filling = reading
+            if reading is not None:
+                (optimized, filling), origin = reading, "disk"
+            else:
+                optimized, origin, filling = await self.flight.do(("load", *key), lambda: self._load(record))
         note(origin=origin)
         tracing.annotate({"loraserve.store.origin": origin})
         self.metrics.fetch_open_seconds.labels(origin).observe(time.perf_counter() - start)
@@ -271,7 +272,7 @@ class AdapterService:
             if reader is not None:
                 filling = Filling(reader.total_bytes)
                 key = (record.adapter_id, record.digest)
-                self._reading[key] = (reader.adapter, "disk", filling)
+                self._reading[key] = (reader.adapter, filling)
                 task = asyncio.ensure_future(self._fill(record, reader, filling))
                 self._fills.add(task)
                 task.add_done_callback(self._fills.discard)

@@ -18,9 +18,6 @@ sha256 of the buffer must equal the manifest's digest, else DataLossError.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
+from loraserve.clients.chunk_sink import ChunkSink
 from loraserve.contract.adapter_layout import DTYPES, ITEMSIZES, LAYOUT_VERSION
 from loraserve.contract.chunk_codec import REFETCH_KEY, decode_response
 from loraserve.v1 import store_pb2
@@ -96,7 +94,7 @@ class AdapterDownload:
         self.buffer: torch.Tensor | None = None
         self.received = 0  # bytes [0, received) are in buffer
         self._np: np.ndarray | None = None
-        self._sink = _Sink()  # copies and hashes [0, received) in order, beside the receiving
+        self._sink = ChunkSink()  # copies and hashes [0, received) in order, beside the receiving
         self._pin = pin_memory  # None: pinned where CUDA is available
 
     def request(self, digest: str = "") -> store_pb2.FetchAdapterRequest:
@@ -193,12 +191,12 @@ class AdapterDownload:
         """Forget the bytes received (the store said they came from a damaged copy): the next
         request starts at offset 0; the manifest, and so the expected digest, stay."""
         self._sink.drain()
-        self._sink = _Sink()
+        self._sink = ChunkSink()
         self.received = 0
 
     def pause(self) -> None:
         """Let the copying thread finish what it was given and end (a fetch that gave up; a
-        resumed download starts another). A download left otherwise ends it after _Sink.IDLE_S."""
+        resumed download starts another). A download left otherwise ends it after ChunkSink.IDLE_S."""
         self._sink.drain()
 
     def finish(self) -> FetchedAdapter:
@@ -216,57 +214,6 @@ class AdapterDownload:
 
         tensors = {t.name: tensor_view(self.buffer, t) for t in self.manifest.tensors}
         return FetchedAdapter(self.manifest, self.buffer, tensors)
-
-
-class _Sink:
-    """Copies each chunk into its place in the buffer and hashes it, in arrival order, on a thread
-    of its own: numpy's copy and hashlib let go of the interpreter lock, so both run beside the
-    thread that receives the next chunks (a fetch's hash alone is ~15 ms for 22 MB). The thread
-    ends when drained, or after IDLE_S with nothing to do (a download left unfinished)."""
-
-    IDLE_S = 5.0
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._queue: queue.SimpleQueue[tuple[np.ndarray, bytes | memoryview] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def put(self, dest: np.ndarray, data: bytes | memoryview) -> None:
-        with self._lock:
-            self._queue.put((dest, data))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="adapter-fetch-copy", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                item = self._queue.get(timeout=self.IDLE_S)
-            except queue.Empty:
-                with self._lock:
-                    if self._queue.empty():
-                        self._thread = None
-                        return
-                continue
-            if item is None:
-                return
-            dest, data = item
-            dest[:] = np.frombuffer(data, dtype=np.uint8)
-            self._sha.update(data)
-
-    def drain(self) -> None:
-        """Wait until everything put so far is copied and hashed; the thread ends."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-            if thread is not None:
-                self._queue.put(None)
-        if thread is not None:
-            thread.join()
-
-    def hexdigest(self) -> str:
-        self.drain()
-        return self._sha.hexdigest()
 
 
 def _retryable(exc: grpc.RpcError) -> bool:

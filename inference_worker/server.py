@@ -196,10 +196,13 @@ class WorkerServer:
         if self.front is not None:
             # what the generations in flight still send reaches their clients first: the calls
             # end, the relay hands the front their last frames and closes, the front finishes them
-            await _wait_while(lambda: bool(self.servicer.active), time.monotonic() + (grace or 0.0))
+            end = time.monotonic() + (grace or 0.0)
+            await _wait_while(lambda: bool(self.servicer.active), end)
             if self.relay is not None:
                 await self.relay.close()
             await asyncio.to_thread(self.front.stop, FRONT_EXIT_S)
+            if grace is not None:  # one grace for both: what is left of it
+                grace = max(0.0, end - time.monotonic())
         await self.grpc_server.stop(grace)
         await asyncio.to_thread(self.engine.shutdown)
         if self.adapters is not None:

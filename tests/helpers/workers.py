@@ -4,6 +4,7 @@ model/engine tests also run on GPU machines whose grpc may not match the generat
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,16 @@ def worker_config(model_dir: Path, **overrides) -> WorkerConfig:
         log_level="WARNING",
     )
     return WorkerConfig(**{**base, **overrides})
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    """Poll `predicate` until it holds or `timeout` seconds pass; its last answer."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
 
 
 def stub_for(address: str):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -19,7 +18,7 @@ from loraserve.clients.worker_cli import generate_main
 from loraserve.clients.worker_client import AsyncWorkerClient, WorkerClient, build_request
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.tls import self_signed_cert
-from tests.helpers.workers import stub_for, worker_config
+from tests.helpers.workers import stub_for, wait_for, worker_config
 
 PROMPTS = [
     "Hello world.",
@@ -45,15 +44,6 @@ def worker(tiny_model_dir, request):
 @pytest.fixture(params=["direct", "relay"])
 def start_worker(start_worker, request):
     return functools.partial(start_worker, stream_process=request.param == "relay")
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_generate_and_stream_agree(worker) -> None:

@@ -19,16 +19,7 @@ import pytest
 from loraserve.clients.worker_client import build_request
 from loraserve.inference_worker.errors import DependencyUnavailable
 from loraserve.serving.ports import PortUnavailable
-from tests.helpers.workers import stub_for, worker_config
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+from tests.helpers.workers import stub_for, wait_for, worker_config
 
 
 def test_a_dead_front_fails_the_worker(start_worker) -> None:
