@@ -30,11 +30,9 @@ import functools
 import io
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -43,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving_fleet import Fleet, Service, WorkerOptions, register_all, write_adapters, write_model
+from serving_probes import EngineSampler, host_cpu
 
 from loraserve.clients.bench.runner import RunLimits, run_benchmark
 from loraserve.clients.bench.targets import RouterTarget, Sampling, Target, WorkerTarget
@@ -62,55 +61,6 @@ def resident_share(summary: dict) -> float | None:
     counts = {t: s["count"] for t, s in by_tier.items()}
     total = sum(counts.values())
     return round((counts.get("gpu", 0) + counts.get("cpu", 0)) / total, 4) if total else None
-
-
-def host_cpu() -> str:
-    """The host's CPU model and core count (Linux), else what platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-class EngineSampler:
-    """How often the worker's engine holds no request at all (nothing running, nothing waiting)
-    while the load runs: GetWorkerInfo every `interval_s` on a thread of its own. At saturation an
-    empty engine means requests are somewhere else (in transit, or finished and not yet seen)."""
-
-    def __init__(self, address: str, interval_s: float = 0.02) -> None:
-        self.address, self.interval_s = address, interval_s
-        self.samples: list[tuple[int, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
-
-    def _run(self) -> None:
-        from loraserve.clients.worker_client import WorkerClient
-
-        with WorkerClient(self.address, timeout=2) as client:
-            while not self._stop.wait(self.interval_s):
-                with contextlib.suppress(Exception):  # a missed sample is no result
-                    info = client.info()
-                    self.samples.append((info.num_running, info.num_waiting))
-
-    def __enter__(self) -> EngineSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict[str, float]:
-        n = len(self.samples) or 1
-        return {
-            "samples": len(self.samples),
-            "empty_share": round(sum(1 for r, w in self.samples if r + w == 0) / n, 4),
-            "mean_running": round(sum(r for r, _ in self.samples) / n, 2),
-            "mean_waiting": round(sum(w for _, w in self.samples) / n, 2),
-        }
 
 
 class Bench:

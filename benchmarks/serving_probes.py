@@ -1,0 +1,59 @@
+"""What the serving benchmark (bench_serving.py) reads beside its load: the host's CPU, and how
+often the worker's engine holds no request while the load runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import threading
+from pathlib import Path
+
+
+def host_cpu() -> str:
+    """The host's CPU model and core count (Linux), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class EngineSampler:
+    """How often the worker's engine holds no request at all (nothing running, nothing waiting)
+    while the load runs: GetWorkerInfo every `interval_s` on a thread of its own. At saturation an
+    empty engine means requests are somewhere else (in transit, or finished and not yet seen)."""
+
+    def __init__(self, address: str, interval_s: float = 0.02) -> None:
+        self.address, self.interval_s = address, interval_s
+        self.samples: list[tuple[int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
+
+    def _run(self) -> None:
+        from loraserve.clients.worker_client import WorkerClient
+
+        with WorkerClient(self.address, timeout=2) as client:
+            while not self._stop.wait(self.interval_s):
+                with contextlib.suppress(Exception):  # a missed sample is no result
+                    info = client.info()
+                    self.samples.append((info.num_running, info.num_waiting))
+
+    def __enter__(self) -> EngineSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        n = len(self.samples) or 1
+        return {
+            "samples": len(self.samples),
+            "empty_share": round(sum(1 for r, w in self.samples if r + w == 0) / n, 4),
+            "mean_running": round(sum(r for r, _ in self.samples) / n, 2),
+            "mean_waiting": round(sum(w for _, w in self.samples) / n, 2),
+        }
