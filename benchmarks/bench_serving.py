@@ -30,18 +30,16 @@ import functools
 import io
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving_fleet import Fleet, Service, WorkerOptions, register_all, write_adapters, write_model
-from serving_probes import EngineSampler, host_cpu
+from serving_probes import EngineSampler, host_cpu, py_spy
 
 from loraserve.clients.bench.runner import RunLimits, run_benchmark
 from loraserve.clients.bench.targets import RouterTarget, Sampling, Target, WorkerTarget
@@ -86,24 +84,15 @@ class Bench:
         if self.args.json:
             Path(self.args.json).write_text(json.dumps(self.results, indent=2) + "\n")
 
-    @contextlib.contextmanager
-    def profiled(self, worker: Service, name: str, seconds: float, on: bool = True) -> Iterator[None]:
-        """With --profile DIR (and `on`): py-spy samples the worker for `seconds` (one collapsed-stack
-        file per thread-tagged run, DIR/name.txt), waited for on leaving."""
+    def profiled(
+        self, worker: Service, name: str, seconds: float, on: bool = True
+    ) -> contextlib.AbstractContextManager[None]:
+        """With --profile DIR (and `on`): py-spy samples the worker for `seconds` (DIR/name.txt;
+        with --profile-gil also DIR/name.gil.txt, the thread holding the interpreter lock)."""
         a = self.args
-        spy = shutil.which("py-spy") if a.profile and on else None
-        if spy is None:
-            yield
-            return
-        a.profile.mkdir(parents=True, exist_ok=True)
-        cmd = [spy, "record", "--pid", str(worker.process.pid), "--duration", str(max(1, int(seconds))),
-               "--rate", "100", "--format", "raw", "--threads", "--idle", "--nonblocking", "--output",
-               str(a.profile / f"{name}.txt")]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            yield
-        finally:
-            proc.wait()
+        if not (a.profile and on):
+            return contextlib.nullcontext()
+        return py_spy(worker.process.pid, a.profile / name, seconds, gil=a.profile_gil)
 
     def spec(self, ids: Sequence[str], rate: float | None, seed: int) -> WorkloadSpec:
         a = self.args
@@ -375,6 +364,7 @@ def parser() -> argparse.ArgumentParser:
         help="NAME=WORKER_FLAGS: the N sweep again on a worker started with these extra flags",
     )
     p.add_argument("--profile", type=Path, default=None, help="py-spy the worker into this folder")
+    p.add_argument("--profile-gil", action="store_true", help="with --profile: the lock holder's too")
     return p
 
 

@@ -1,12 +1,15 @@
-"""What the serving benchmark (bench_serving.py) reads beside its load: the host's CPU, and how
-often the worker's engine holds no request while the load runs."""
+"""What the serving benchmark (bench_serving.py) reads beside its load: the host's CPU, how often
+the worker's engine holds no request while the load runs, and py-spy profiles of the worker."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import platform
+import shutil
+import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -19,6 +22,30 @@ def host_cpu() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, stem: Path, seconds: float, gil: bool = False) -> Iterator[None]:
+    """py-spy samples process `pid` at 100 Hz for `seconds`, every thread, idle ones too, into
+    collapsed stacks at stem.txt; with `gil` a second one samples only the thread holding the
+    interpreter lock (stem.gil.txt: each thread's share of the lock). Waited for on leaving;
+    nothing happens where py-spy is not installed."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        yield
+        return
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    base = [spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "100",
+            "--format", "raw", "--threads", "--nonblocking"]  # fmt: skip
+    runs = [[*base, "--idle", "--output", f"{stem}.txt"]]
+    if gil:
+        runs.append([*base, "--gil", "--output", f"{stem}.gil.txt"])
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for c in runs]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.wait()
 
 
 class EngineSampler:

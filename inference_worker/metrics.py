@@ -72,6 +72,20 @@ class WorkerMetrics:
         )
         self._step_kinds = {k: self.step_seconds.labels(k) for k in ("prefill", "decode")}
         engine.step_observer = self.observe_step
+        # host or device bound (CUDA): how long the step thread waited for steps' tokens, and the
+        # device time of one step in 16 (engine/device_timing.py)
+        self.device_wait = Counter(
+            "loraserve_worker_device_wait_seconds",
+            "Time the engine's step thread waited for the device to finish steps",
+            registry=r,
+        )
+        self.step_device_seconds = Histogram(
+            "loraserve_worker_step_device_seconds",
+            "Device time of sampled engine steps, first launch to sampled tokens on the host",
+            buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512),
+            registry=r,
+        )
+        engine.timing.observer = self.observe_device
         self._server: Any = None  # prometheus_client's WSGIServer once serving
 
     def count_request(self, method: str, code: str, adapter_id: str = "") -> None:
@@ -92,6 +106,12 @@ class WorkerMetrics:
         self._step_kinds[kind].observe(seconds)
         self.step_sequences.observe(sequences)
         self.step_tokens.observe(tokens)
+
+    def observe_device(self, waited: float, span: float | None) -> None:
+        if waited:
+            self.device_wait.inc(waited)
+        if span is not None:
+            self.step_device_seconds.observe(span)
 
     def serve(self, host: str, port: int) -> int:
         from prometheus_client import start_http_server

@@ -185,5 +185,10 @@ def format_summary(summary: dict[str, object]) -> str:
         if lk:
             lines.append("admission lookups: " + ", ".join(f"{k} {v}" for k, v in lk.items()))
         if act.get("steps"):
-            lines.append(f"engine steps: {act['steps']}, {act['mean_sequences_per_step']} sequences per step")
+            line = f"engine steps: {act['steps']}, {act['mean_sequences_per_step']} sequences per step"
+            if act.get("step_ms") is not None:
+                line += f", {act['step_ms']} ms a step"
+            if act.get("device_ms_per_step") is not None:
+                line += f" (device {act['device_ms_per_step']} ms; waited for it {act['device_wait_ms_per_step']})"
+            lines.append(line)
     return "\n".join(lines)

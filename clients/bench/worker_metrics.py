@@ -17,6 +17,9 @@ EVICTIONS = "loraserve_worker_adapter_evictions_total"
 LOOKUPS = "loraserve_worker_adapter_lookups_total"
 GENERATED = "loraserve_worker_generated_tokens_total"
 STEP_SEQUENCES = "loraserve_worker_step_sequences"  # histogram: _count, _sum
+STEP_SECONDS = "loraserve_worker_step_seconds"  # histogram by kind: _count, _sum
+DEVICE_WAIT = "loraserve_worker_device_wait_seconds_total"
+STEP_DEVICE_SECONDS = "loraserve_worker_step_device_seconds"  # histogram of one step in 16
 LOAD_SECONDS = "loraserve_worker_adapter_load_seconds"  # histogram by tier: _count, _sum
 # a store's metrics among the URLs: where its fetches' payloads came from (memory, disk, source)
 STORE_OPEN_SECONDS = "loraserve_store_fetch_open_seconds"
@@ -67,6 +70,13 @@ class AdapterActivity:
     step_sequences: int = 0  # sequences over those steps (their mean is how full batches were)
     load_ms: dict[str, float] = field(default_factory=dict)  # mean ms of a load, by tier
     store_origins: dict[str, int] = field(default_factory=dict)  # a store's fetches by origin
+    step_seconds: float = 0.0  # wall time of those steps (the step thread's, waits included)
+    device_wait_seconds: float = 0.0  # of which the step thread waited for the device
+    device_seconds: float = 0.0  # device time of the timed steps (one in 16, CUDA) ...
+    device_steps: int = 0  # ... and their count
+
+    def per_step_ms(self, seconds: float, steps: int) -> float | None:
+        return round(1e3 * seconds / steps, 3) if steps else None
 
     @property
     def store_fetches(self) -> int:
@@ -84,6 +94,9 @@ class AdapterActivity:
             "mean_sequences_per_step": round(self.step_sequences / self.steps, 2) if self.steps else None,
             "mean_load_ms": self.load_ms,
             "store_fetch_origins": self.store_origins,
+            "step_ms": self.per_step_ms(self.step_seconds, self.steps),
+            "device_wait_ms_per_step": self.per_step_ms(self.device_wait_seconds, self.steps),
+            "device_ms_per_step": self.per_step_ms(self.device_seconds, self.device_steps),
         }
 
 
@@ -131,6 +144,9 @@ def activity(
         {t: n - o.get(t, 0) for t, n in e.items() if n > o.get(t, 0)} for e, o in zip(every, ok, strict=True)
     ]
 
+    def exact(name: str) -> float:
+        return sum(a.get((name, ()), 0.0) - b.get((name, ()), 0.0) for b, a in pairs)
+
     def delta(name: str) -> int:
         return sum(round(a.get((name, ()), 0.0) - b.get((name, ()), 0.0)) for b, a in pairs)
 
@@ -146,4 +162,10 @@ def activity(
         step_sequences=delta(STEP_SEQUENCES + "_sum"),
         load_ms={t: round(1e3 * loads_s.get(t, 0.0) / n, 2) for t, n in loads_n.items() if n},
         store_origins=_sum([_by_label(b, a, STORE_OPEN_SECONDS + "_count", "origin") for b, a in pairs]),
+        step_seconds=sum(
+            sum(_by_label(b, a, STEP_SECONDS + "_sum", "kind", exact=True).values()) for b, a in pairs
+        ),
+        device_wait_seconds=exact(DEVICE_WAIT),
+        device_seconds=exact(STEP_DEVICE_SECONDS + "_sum"),
+        device_steps=delta(STEP_DEVICE_SECONDS + "_count"),
     )

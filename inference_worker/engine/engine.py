@@ -23,6 +23,7 @@ from loraserve.inference_worker.engine import kernel_warmup
 from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy, BaseOnlyPolicy, EngineAdapters
 from loraserve.inference_worker.engine.block_manager import BlockManager
 from loraserve.inference_worker.engine.config import EngineConfig
+from loraserve.inference_worker.engine.device_timing import DeviceTiming
 from loraserve.inference_worker.engine.forking import SiblingForker
 from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.output_queue import OutputCallback, OutputDispatcher, OutputQueue
@@ -102,6 +103,7 @@ class LLMEngine:
         on_cuda = self.runner.device.type == "cuda"
         self.async_scheduling = not self.runner.sharded and (on_cuda if cfg_async is None else cfg_async)
         self._inflight: LaunchedSample | None = None  # the launched step not yet read back
+        self.timing = DeviceTiming(on_cuda)  # how long steps waited for the device (metrics)
 
     # --------------------------------------------------------------------- any thread
     @property
@@ -276,6 +278,7 @@ class LLMEngine:
             self._process_text()
             return True
         # asynchronous on CUDA; decode rows with a token still on the device read it there
+        started = self.timing.begin()
         logits, seqs = self.runner.execute(sched, prev.tokens if prev is not None else None)
         for seq, n in sched.prefills:
             seq.num_computed_tokens += n
@@ -286,7 +289,7 @@ class LLMEngine:
             # detokenize, check stop strings and emit the previous step's tokens while the GPU runs
             self._process_text()
         logits, seqs = self.forker.fork(logits, seqs)
-        launched = self.sampler.launch(logits, seqs)
+        launched = self.sampler.launch(logits, seqs, started)
         for i, seq in enumerate(seqs):
             seq.num_pending += 1
             seq.pending_row = i
@@ -311,6 +314,7 @@ class LLMEngine:
     def _complete(self, launched: LaunchedSample) -> None:
         """Read a launched step's tokens back (waits for the device) and append them."""
         sampled = self.sampler.finish(launched)
+        self.timing.observe(launched)
         now = time.monotonic()
         for seq, tok, lp in zip(launched.seqs, sampled.token_ids, sampled.logprobs, strict=True):
             seq.num_pending -= 1
@@ -334,19 +338,13 @@ class LLMEngine:
             return self._finish(seq, FinishReason.LENGTH)
         self._text_pending.append(seq)
 
-    @staticmethod
-    def _advance_text(seq: Sequence) -> bool:
-        """Feed the sequence's new tokens to its text stream; True when a stop string matched
-        (the tokens after the one that completed it are dropped)."""
-        return seq.text_stream.feed(seq.output_token_ids)
-
     def _process_text(self) -> None:
         pending, self._text_pending = self._text_pending, []
         every = self.config.stream_interval
         for seq in pending:
             if seq.finish_reason is not None:
                 continue
-            if self._advance_text(seq):
+            if seq.text_stream.feed(seq.output_token_ids):  # a stop string matched
                 self._finish(seq, FinishReason.STOP)
                 continue
             sent = seq.sent_token_count
@@ -384,7 +382,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
         if seq.finish_reason is not None:
             return
-        if reason in (FinishReason.LENGTH, FinishReason.STOP, FinishReason.EOS) and self._advance_text(seq):
+        done = (FinishReason.LENGTH, FinishReason.STOP, FinishReason.EOS)
+        if reason in done and seq.text_stream.feed(seq.output_token_ids):
             reason = FinishReason.STOP  # the last tokens completed a stop string
         self.scheduler.remove(seq)
         self.sampler.release(seq)

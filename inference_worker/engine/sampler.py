@@ -26,6 +26,7 @@ picked. The top alternatives come from one `topk` over the rows that ask for the
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,8 @@ class LaunchedSample:
     copied: torch.cuda.Event | None = None
     ring: TokenReadback | None = None  # where the tokens' host copy lives, and its turn there
     ring_turn: int = 0
+    started: torch.cuda.Event | None = None  # a timed step's event before its first launch
+    waited: float = 0.0  # seconds `read` waited for the device
 
     def start_readback(self, ring: TokenReadback) -> None:
         """Queue the copies to the host (CUDA), so that reading them waits for this step only: the
@@ -123,7 +126,7 @@ class LaunchedSample:
             else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
             for t in (self.chosen, self.top_values, self.top_ids)
         ]
-        self.copied = torch.cuda.Event()
+        self.copied = torch.cuda.Event(enable_timing=self.started is not None)
         self.copied.record()
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -131,7 +134,9 @@ class LaunchedSample:
         if self.host is None:
             return self.tokens, self.chosen, self.top_values, self.top_ids
         assert self.copied is not None
+        t0 = time.perf_counter()
         self.copied.synchronize()
+        self.waited = time.perf_counter() - t0
         if self.ring is not None:
             self.ring.check(self.ring_turn)
         tokens, chosen, top_values, top_ids = self.host
@@ -165,10 +170,13 @@ class Sampler:
         """logits: [N, V] float32, one row per sequence -> N tokens (and logprobs where asked)."""
         return self.finish(self.launch(logits, seqs))
 
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> LaunchedSample:
+    def launch(
+        self, logits: torch.Tensor, seqs: list[Sequence], started: torch.cuda.Event | None = None
+    ) -> LaunchedSample:
         """Queue the sampling of one step on the device without waiting for it: its tokens can feed
         the next step on the device before the host reads them (`finish`). Each row's random draw
-        is taken at its sequence's next output position, counting a token still on the device."""
+        is taken at its sequence's next output position, counting a token still on the device.
+        `started`: an event recorded before the step's first launch, to time the step from."""
         live = [i for i, s in enumerate(seqs) if s.finish_reason is None]  # not ended by a stop string
         penalized = [i for i in live if seqs[i].params.penalized]
         x = self.apply_penalties(logits, seqs, penalized)
@@ -188,7 +196,7 @@ class Sampler:
             assert self._counts is not None
             self._counts.add([seqs[i] for i in penalized], tokens[to_device(penalized, x.device)])
         wanted = [i for i in live if seqs[i].params.logprobs]
-        out = LaunchedSample(tokens, seqs, wanted, [])
+        out = LaunchedSample(tokens, seqs, wanted, [], started=started)
         if wanted:
             self._launch_logprobs(out, logits, [seqs[i] for i in wanted])
         out.start_readback(self._readback)

@@ -136,6 +136,8 @@ def test_run_against_a_worker_reports_counts_latencies_and_tier_activity(served,
     # each step carried between 1 and max_num_seqs sequences
     assert act["steps"] >= max(r.max_tokens for r in expected)
     assert 1 <= act["mean_sequences_per_step"] <= 64
+    assert act["step_ms"] > 0 and act["device_wait_ms_per_step"] == 0.0  # a CPU worker
+    assert act["device_ms_per_step"] is None
 
 
 def test_run_through_the_router_sends_adapters_to_their_homes(served, tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """CUDA paths of the engine: the same greedy tokens on CUDA (fp32) as on CPU, and with CUDA graphs
-as without (bf16), for concurrent sequences."""
+as without (bf16), for concurrent sequences; steps timed on the device."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loraserve.inference_worker.engine.device_timing import DeviceTiming
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.sequence import RequestOutput, SamplingParams
 from loraserve.inference_worker.model.loader import load_model, load_tokenizer
@@ -23,7 +24,13 @@ PROMPTS = [
 ]
 
 
-def run(model_dir: Path, device: str, dtype: torch.dtype, graphs: bool) -> list[list[int]]:
+def run(
+    model_dir: Path,
+    device: str,
+    dtype: torch.dtype,
+    graphs: bool,
+    timings: list[tuple[float, float | None]] | None = None,
+) -> list[list[int]]:
     tok = load_tokenizer(model_dir)
     engine = LLMEngine(
         load_model(model_dir, dtype, device),
@@ -37,6 +44,8 @@ def run(model_dir: Path, device: str, dtype: torch.dtype, graphs: bool) -> list[
         ),
     )
     engine.runner.capture_graphs()  # what engine.start() does; this test steps the engine itself
+    if timings is not None:
+        engine.timing.observer = lambda waited, span: timings.append((waited, span))
     outs: list[list[RequestOutput]] = [[] for _ in PROMPTS]
     for i, p in enumerate(PROMPTS):
         engine.submit(
@@ -48,6 +57,9 @@ def run(model_dir: Path, device: str, dtype: torch.dtype, graphs: bool) -> list[
         engine.step()
     if graphs:
         assert engine.runner.graphs
+    if timings is not None:  # each step read back once, each timed (EVERY = 1)
+        assert len(timings) == engine.num_steps
+        assert engine.timing.wait_seconds == pytest.approx(sum(w for w, _ in timings))
     return [[t for o in out for t in o.token_ids] for out in outs]
 
 
@@ -61,3 +73,10 @@ def test_cuda_graphs_match_eager_bf16(tiny_model_dir: Path) -> None:
     assert run(tiny_model_dir, "cuda", torch.bfloat16, graphs=True) == run(
         tiny_model_dir, "cuda", torch.bfloat16, graphs=False
     )
+
+
+def test_steps_timed_on_the_device(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(DeviceTiming, "EVERY", 1)
+    timings: list[tuple[float, float | None]] = []
+    run(tiny_model_dir, "cuda", torch.bfloat16, graphs=True, timings=timings)
+    assert all(w >= 0 and span is not None and 0 < span < 5 for w, span in timings)
