@@ -154,3 +154,40 @@ def test_shrink_beside_the_base_gemm_matches_add_lora(lora_adapter_root, base_co
             torch.cuda.synchronize()
             torch.testing.assert_close(replayed, want, rtol=2e-2, atol=2e-2)
             assert (want.float() - y0.float()).abs().max() > 0  # some adapter touches every group
+
+
+def test_slot_loader_copies_after_the_steps_in_flight(lora_adapter_root, base_config):
+    """A slot loader's copy waits for what the steps' stream queued before it (a step still
+    reading the slot's old adapter) and has ended on the device when it reports done."""
+    import threading
+
+    from loraserve.inference_worker.adapters.slot_loader import SlotLoader
+    from loraserve.inference_worker.adapters.slot_table import SlotState
+    from loraserve.inference_worker.lora import LoRASlots
+
+    old = payload_from_peft(lora_adapter_root / "qv-r8", base_config, "bfloat16")
+    new = payload_from_peft(lora_adapter_root / "patterned", base_config, "bfloat16")
+    cpu = LoRASlots(base_config, 4, 16, torch.bfloat16, "cpu")
+    gpu = LoRASlots(base_config, 4, 16, torch.bfloat16, "cuda")
+    cpu.load(1, old)
+    gpu.load(1, old)
+    torch.cuda.synchronize()
+    expected_old = {g: cpu.a_all[g][:, 1].clone() for g in cpu.a_all}
+    finished: list[Exception | None] = []
+    done = threading.Event()
+    loader = SlotLoader(gpu, lambda load, seconds, error: finished.append(error))
+    loader.on_done.append(done.set)
+    try:
+        torch.cuda._sleep(300_000_000)  # a long step in flight, then its read of slot 1
+        seen = {g: gpu.a_all[g][:, 1].clone() for g in gpu.a_all}
+        loader.submit(SlotState(1), new)
+        assert done.wait(30) and finished == [None]
+        for g in seen:  # the read queued first saw the old adapter whole
+            assert torch.equal(seen[g].cpu(), expected_old[g])
+        cpu.load(1, new)
+        for g in cpu.a_all:  # and the slot holds the new one when the loader says so
+            assert torch.equal(cpu.a_all[g], gpu.a_all[g].cpu())
+            assert torch.equal(cpu.b_all[g], gpu.b_all[g].cpu())
+        assert torch.equal(cpu.ranks, gpu.ranks.cpu())
+    finally:
+        loader.close()
