@@ -180,7 +180,6 @@ def build_adapters(
         max_cpu_bytes=config.max_cpu_lora_mb << 20,
         worker_id=config.resolved_worker_id,
         popularity_half_life_s=config.popularity_half_life_s,
-        async_loads=config.async_slot_loads and tp is None,
     )
     list_digests = source.digests if isinstance(source, StoreSource) else None
     adapters = WorkerAdapters(

@@ -64,8 +64,6 @@ _HELP = {
     "asked for a few times within it, so fleets with little traffic want it longer",
     "adapter_poll_interval_s": "seconds between checks of the store for re-registered or deleted adapters",
     "store_address": "adapter store address host:port (adapters disabled when empty)",
-    "async_slot_loads": "copy adapters from the CPU tier into GPU slots on a thread and CUDA stream of "
-    "their own, not on the engine's step thread (a single-process worker only)",
     "fetch_process": "receive adapters from the store in a child process, handed over through shared "
     "memory (/dev/shm; in the worker's own process where there is none)",
     "store_token": "bearer token sent to the store",
@@ -117,7 +115,6 @@ class WorkerConfig:
     adapter_poll_interval_s: float = 2.0
     store_address: str = ""
     fetch_process: bool = True
-    async_slot_loads: bool = True
     store_token: str | None = field(default=None, repr=False)
     store_tls_ca: str | None = None
     redis_url: str | None = None

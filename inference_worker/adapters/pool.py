@@ -4,9 +4,7 @@ The pool composes the tiers (GPU slots, pinned CPU cache), the version book, the
 fetcher, the per-adapter counters and the residency marks. Three kinds of threads use it, and none
 of them waits on the network while holding the lock:
 
-- the engine's step thread: `acquire` / `release` (a miss starts a fetch and answers "wait"; so
-  does a CPU-tier hit when a slot loader copies it in, slot_loader.py);
-- the slot loader's thread, when there is one: a copy's end (`_loaded`);
+- the engine's step thread: `acquire` / `release` (a miss starts a fetch and answers "wait");
 - the event loop: fetches (the store's gRPC stream), the admin operations;
 - the coordinator sync thread: invalidation events in, residency out (`apply_invalidation`,
   `publisher.flush`), with the coordinator round trips outside the lock.
@@ -15,7 +13,6 @@ of them waits on the network while holding the lock:
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 
@@ -32,7 +29,6 @@ from loraserve.inference_worker.adapters.reporting import (
     slot_state,
 )
 from loraserve.inference_worker.adapters.residency import ResidencyPublisher
-from loraserve.inference_worker.adapters.slot_loader import SlotLoad, SlotLoader
 from loraserve.inference_worker.adapters.slot_table import NOWHERE, SlotState
 from loraserve.inference_worker.adapters.tiers import AdapterTiers
 from loraserve.inference_worker.adapters.versions import VersionBook
@@ -43,13 +39,9 @@ from loraserve.inference_worker.errors import (
     AdapterMismatch,
     AdapterSlotsExhausted,
     DependencyUnavailable,
-    WorkerError,
 )
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.inference_worker.lora.slots import LoRASlots, SlotLoadError
-
-log = logging.getLogger(__name__)
-LOAD_WAIT_S = 10.0  # how long an admin load waits for a slot loader's copy of the same version
 
 
 class AdapterPool:
@@ -64,10 +56,7 @@ class AdapterPool:
         worker_id: str = "worker",
         metrics: AdapterMetrics | None = None,
         popularity_half_life_s: float = 300.0,
-        async_loads: bool = False,
     ) -> None:
-        """async_loads: copy CPU-tier payloads into GPU slots on a loader thread (slot_loader.py)
-        rather than on the step thread."""
         self.lock = threading.RLock()
         self.slots = slots
         self.metrics = metrics if metrics is not None else AdapterMetrics()
@@ -82,9 +71,6 @@ class AdapterPool:
         )
         self.versions = VersionBook()
         self.fetcher = AdapterFetcher(source, self, self.lock, self.metrics)
-        self.loader = SlotLoader(slots, self._loaded) if async_loads else None
-        self._load_errors: dict[str, WorkerError] = {}  # version key -> its last slot load's failure
-        self._began: set[int] = set()  # sequences whose adapter's load was counted as a CPU lookup
         self._held: dict[int, int] = {}  # sequence key -> slot it holds
         # set by look-ahead each step: adapter id -> position of the first queued request for it,
         # sequence key -> its queue position; what they name is evicted last (or not at all)
@@ -114,26 +100,14 @@ class AdapterPool:
             if key is not None:
                 s = self.tiers.table.lookup(key)
                 if s is not None:
-                    if s.loading:
-                        return None  # its copy into the slot has not ended yet
-                    if seq_key in self._began:
-                        self._began.discard(seq_key)
-                    else:
-                        self._lookup_gpu.inc()
+                    self._lookup_gpu.inc()
                     return self._hold(seq_key, s, new_request)
                 payload = self.tiers.cpu.get(key)
                 if payload is not None:
-                    failed_load = self._load_errors.pop(key, None)
-                    if failed_load is not None:
-                        raise failed_load
                     victim = self.tiers.table.victim(self.wanted, self.queue_pos.get(seq_key, NOWHERE))
                     if victim is None:
                         return None  # every slot busy, pinned or queued for: wait, keep scanning
                     self._lookup_cpu.inc()
-                    if self.loader is not None:
-                        self._began.add(seq_key)
-                        self.tiers.begin_activate(victim, payload, self.loader)
-                        return None
                     self._activate(victim, payload)
                     return self._hold(seq_key, victim, new_request)
             self._lookup_miss.inc()
@@ -144,14 +118,13 @@ class AdapterPool:
         """The sequence left the running set (finished, cancelled, failed, preempted)."""
         with self.lock:
             self.fetcher.forget(seq_key)
-            self._began.discard(seq_key)
             slot = self._held.pop(seq_key, None)
             if slot is None:
                 return
             s = self.tiers.table.slots[slot]
             s.running = max(0, s.running - 1)
             self._stats_of(s.adapter_id).num_tokens += num_tokens
-            if s.stale and s.running == 0 and not s.loading:
+            if s.stale and s.running == 0:
                 self.tiers.drop_slot(s)
 
     def _hold(self, seq_key: int, s: SlotState, new_request: bool) -> tuple[int, str]:
@@ -167,29 +140,6 @@ class AdapterPool:
     def _activate(self, s: SlotState, payload: AdapterPayload) -> None:
         self.tiers.activate_or_raise(s, payload)
         self._stats_of(payload.adapter_id).num_gpu_loads += 1
-
-    def stage(self, s: SlotState, payload: AdapterPayload) -> None:
-        """Look-ahead: copy a CPU-tier payload into the free slot `s` (by the loader where there
-        is one); raises RuntimeError or ValueError when a synchronous copy fails."""
-        if self.loader is not None:
-            self.tiers.begin_activate(s, payload, self.loader)
-        else:
-            self.tiers.activate(s, payload)
-
-    def _loaded(self, load: SlotLoad, seconds: float, error: Exception | None) -> None:
-        """The loader's copy ended (its thread)."""
-        key = load.payload.key
-        with self.lock:
-            if not self.tiers.finish_activate(load, seconds, error):
-                return
-            if error is None:
-                self._stats_of(load.payload.adapter_id).num_gpu_loads += 1
-                return
-            log.warning("adapter %s could not be copied into a GPU slot: %s", key, error)
-            # the next sequence that asks for it fails with the reason; later ones try again
-            self._load_errors[key] = AdapterSlotsExhausted(
-                f"adapter {key} could not be copied into a GPU slot: {error}"
-            )
 
     def _stats_of(self, adapter_id: str) -> AdapterStats:
         return self._stats.setdefault(adapter_id, AdapterStats())
@@ -268,38 +218,30 @@ class AdapterPool:
         return self.tiers.residency(adapter_id)
 
     # ------------------------------------------------------------------ admin (any thread but the step loop)
-    def activate_now(self, key: str, timeout_s: float = LOAD_WAIT_S) -> SlotState:
-        """Put a CPU-tier version into a GPU slot now (admin path; never under the state lock when
-        the pool has a loader, whose loads it may wait for); its slot."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self.lock:
-                s = self.tiers.table.lookup(key)
-                if s is None:
-                    return self._activate_sync(key)
-                if not s.loading:
-                    return s
-            if time.monotonic() > deadline:
-                raise DependencyUnavailable(f"adapter {key} is still being copied into a GPU slot; retry")
-            time.sleep(0.001)  # the loader's copy is in flight
-
-    def _activate_sync(self, key: str) -> SlotState:
-        payload = self.tiers.cpu.get(key)
-        if payload is None:
-            raise DependencyUnavailable(f"adapter {key} left the CPU cache before it reached a slot; retry")
-        victim = self.tiers.table.victim(self.wanted)
-        if victim is None:
-            raise AdapterSlotsExhausted(
-                "no GPU slot can be freed: every slot is pinned, used by running sequences or "
-                "held for queued requests"
-            )
-        cuda = self.slots.device.type == "cuda"
-        if cuda:  # the step thread may still be reading the victim's old weights
-            torch.cuda.synchronize(self.slots.device)
-        self._activate(victim, payload)
-        if cuda:
-            torch.cuda.synchronize(self.slots.device)
-        return victim
+    def activate_now(self, key: str) -> SlotState:
+        """Put a CPU-tier version into a GPU slot now (admin path); its slot."""
+        with self.lock:
+            s = self.tiers.table.lookup(key)
+            if s is not None:
+                return s
+            payload = self.tiers.cpu.get(key)
+            if payload is None:
+                raise DependencyUnavailable(
+                    f"adapter {key} left the CPU cache before it reached a slot; retry"
+                )
+            victim = self.tiers.table.victim(self.wanted)
+            if victim is None:
+                raise AdapterSlotsExhausted(
+                    "no GPU slot can be freed: every slot is pinned, used by running sequences or "
+                    "held for queued requests"
+                )
+            cuda = self.slots.device.type == "cuda"
+            if cuda:  # the step thread may still be reading the victim's old weights
+                torch.cuda.synchronize(self.slots.device)
+            self._activate(victim, payload)
+            if cuda:
+                torch.cuda.synchronize(self.slots.device)
+            return victim
 
     def check_pin_room(self, adapter_id: str) -> None:
         table = self.tiers.table
@@ -311,20 +253,12 @@ class AdapterPool:
 
     def set_pin(self, adapter_id: str, key: str | None) -> None:
         """Pin `adapter_id` with version `key` put in a slot now; `key` None unpins."""
-        if key is not None:
-            with self.lock:
-                self.check_pin_room(adapter_id)
-            self.activate_now(key)
         with self.lock:
             if key is None:
                 self.tiers.table.pins.discard(adapter_id)
             else:
                 self.check_pin_room(adapter_id)
-                s = self.tiers.table.lookup(key)
-                if s is None or s.loading:  # evicted meanwhile (slots are scarce): the caller retries
-                    raise DependencyUnavailable(
-                        f"adapter {key} left its GPU slot before it was pinned; retry"
-                    )
+                self.activate_now(key)
                 self.tiers.table.pins.add(adapter_id)
             self.publisher.pinned(adapter_id, key is not None)
             self.tiers.update_gauges()

@@ -22,7 +22,6 @@ class SlotState:
     running: int = 0  # sequences admitted with this slot and not finished
     last_tick: int = 0  # LRU clock value at last use
     stale: bool = False  # superseded at the store: admits nothing new, freed when running hits 0
-    loading: int = 0  # a slot loader's ticket while the weights are being copied in (admits nothing)
 
     @property
     def free(self) -> bool:
@@ -59,10 +58,7 @@ class SlotTable:
         idle = [
             s
             for s in self.slots
-            if s.running == 0
-            and not s.loading
-            and not self.is_pinned(s)
-            and queued.get(s.adapter_id, NOWHERE) >= before
+            if s.running == 0 and not self.is_pinned(s) and queued.get(s.adapter_id, NOWHERE) >= before
         ]
         return min(idle, key=lambda s: (s.adapter_id in queued, s.last_tick)) if idle else None
 
@@ -75,14 +71,14 @@ class SlotTable:
     ) -> None:
         self.release_slot(s)
         s.key, s.adapter_id, s.digest, s.rank, s.size_bytes = key, adapter_id, digest, rank, size_bytes
-        s.running, s.last_tick, s.stale, s.loading = 0, tick, False, 0
+        s.running, s.last_tick, s.stale = 0, tick, False
         self.by_key[key] = s.index
 
     def release_slot(self, s: SlotState) -> None:
         if s.key is not None and self.by_key.get(s.key) == s.index:
             del self.by_key[s.key]
         s.key, s.adapter_id, s.digest, s.rank, s.size_bytes = None, "", "", 0, 0
-        s.running, s.stale, s.loading = 0, False, 0
+        s.running, s.stale = 0, False
 
     def mark_stale(self, s: SlotState) -> None:
         if s.key is not None and self.by_key.get(s.key) == s.index:

@@ -88,7 +88,7 @@ class AheadOfNeed:
                 free = pool.tiers.table.free_slot()
                 if free is not None:
                     try:
-                        pool.stage(free, payload)
+                        pool.tiers.activate(free, payload)
                         self.num_staged += 1
                     except (RuntimeError, ValueError) as exc:  # admission retries and reports it
                         log.warning("look-ahead could not stage %s: %s", key, exc)

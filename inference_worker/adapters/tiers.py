@@ -15,7 +15,6 @@ from collections.abc import Callable
 from loraserve.inference_worker.adapters.cpu_cache import CpuCache
 from loraserve.inference_worker.adapters.metrics import AdapterMetrics
 from loraserve.inference_worker.adapters.refs import split_key
-from loraserve.inference_worker.adapters.slot_loader import SlotLoad, SlotLoader
 from loraserve.inference_worker.adapters.slot_table import SlotState, SlotTable
 from loraserve.inference_worker.errors import AdapterSlotsExhausted
 from loraserve.inference_worker.lora.payload import AdapterPayload
@@ -48,7 +47,11 @@ class AdapterTiers:
     # ------------------------------------------------------------------ GPU tier
     def activate(self, s: SlotState, payload: AdapterPayload) -> None:
         """Copy a CPU-tier payload into slot `s` (evicting what it held) on the current stream."""
-        self._evict(s)
+        if not s.free:
+            self.metrics.evictions.labels("gpu").inc()
+            old = s.adapter_id
+            self.table.release_slot(s)
+            self._changed(old)
         t0 = time.perf_counter()
         attributes = {"loraserve.adapter.id": payload.adapter_id, "loraserve.adapter.tier": "gpu"}
         with tracing.span("worker.adapter_load", attributes) as span:
@@ -60,49 +63,18 @@ class AdapterTiers:
                 raise
             load_ms = (time.perf_counter() - t0) * 1e3
             tracing.annotate({"loraserve.load_ms": load_ms, "loraserve.bytes": payload.nbytes}, span)
-        self._assign(s, payload)
+        self.table.assign(
+            s,
+            payload.key,
+            payload.adapter_id,
+            payload.digest,
+            payload.rank,
+            payload.nbytes,
+            self.tick(),
+        )
         self.metrics.observe_load("gpu", payload.adapter_id, time.perf_counter() - t0)
         self._changed(payload.adapter_id)
         self.update_gauges()
-
-    def begin_activate(self, s: SlotState, payload: AdapterPayload, loader: SlotLoader) -> None:
-        """Give slot `s` (evicting what it held) to a CPU-tier payload that `loader` copies in; the
-        slot admits nothing until `finish_activate`."""
-        self._evict(s)
-        self._assign(s, payload)
-        loader.submit(s, payload)
-        self.update_gauges()
-
-    def finish_activate(self, load: SlotLoad, seconds: float, error: Exception | None) -> bool:
-        """A loader's copy ended: its slot serves the adapter, or is freed after an error. False
-        when the load was not the slot's current one (nothing changes)."""
-        s = load.slot
-        if s.loading != load.ticket:
-            return False
-        s.loading = 0
-        if error is not None:
-            self.metrics.loads.labels("gpu", "error").inc()
-            self.drop_slot(s)
-            return True
-        self.metrics.observe_load("gpu", load.payload.adapter_id, seconds)
-        if s.stale:  # superseded or removed while it loaded
-            self.drop_slot(s)
-            return True
-        self._changed(load.payload.adapter_id)
-        self.update_gauges()
-        return True
-
-    def _evict(self, s: SlotState) -> None:
-        if not s.free:
-            self.metrics.evictions.labels("gpu").inc()
-            old = s.adapter_id
-            self.table.release_slot(s)
-            self._changed(old)
-
-    def _assign(self, s: SlotState, payload: AdapterPayload) -> None:
-        self.table.assign(
-            s, payload.key, payload.adapter_id, payload.digest, payload.rank, payload.nbytes, self.tick()
-        )
 
     def activate_or_raise(self, s: SlotState, payload: AdapterPayload) -> None:
         try:
@@ -159,7 +131,7 @@ class AdapterTiers:
         for s in self.table.of_adapter(adapter_id):
             if s.digest != keep and not s.stale:
                 dropped = True
-                if s.running == 0 and not s.loading:
+                if s.running == 0:
                     self.drop_slot(s)
                 else:
                     self.table.mark_stale(s)
@@ -173,10 +145,7 @@ class AdapterTiers:
         """Every version out of both tiers (the caller checked nothing uses it); True if any was held."""
         held = False
         for s in self.table.of_adapter(adapter_id):
-            if s.loading:  # freed once its copy ends
-                self.table.mark_stale(s)
-            else:
-                self.drop_slot(s)
+            self.drop_slot(s)
             held = True
         for key in self.cpu.keys():
             if split_key(key)[0] == adapter_id:

@@ -86,12 +86,9 @@ class WorkerAdapters:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop, on_fetched: Callable[[], None]) -> None:
-        """Fetches and the store check run on `loop`; `on_fetched` wakes the engine when a fetch (or
-        a slot loader's copy) ends.
+        """Fetches and the store check run on `loop`; `on_fetched` wakes the engine when a fetch ends.
         The source's fetch process (if it has one) starts now rather than at the first fetch."""
         self.pool.fetcher.start(loop, on_fetched)
-        if self.pool.loader is not None:
-            self.pool.loader.on_done.append(on_fetched)
         start_source = getattr(self.pool.fetcher.source, "start", None)
         if start_source is not None:
             start_source()
@@ -103,8 +100,6 @@ class WorkerAdapters:
         if self.store_check is not None:
             await self.store_check.stop()
         await asyncio.to_thread(self.sync.stop)
-        if self.pool.loader is not None:
-            await asyncio.to_thread(self.pool.loader.close)
         close = getattr(self.pool.fetcher.source, "close", None)
         if close is not None:
             await close()

@@ -112,8 +112,7 @@ class LoRASlots:
         self.b = [{g.name: self.b_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.ranks = torch.zeros(n, len(GROUPS), max_loras, dtype=torch.int32, device=self.device)
         self._staging: torch.Tensor | None = None  # CUDA loads: the payload's bytes on the device
-        # held by a load while it uses the staging buffer (a slot loader's, until its copies end)
-        self.staging_lock = threading.RLock()
+        self._staging_lock = threading.Lock()
         self._view_cache: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._rank_cache: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
         self._plan_cache: dict[tuple, tuple[list[CopyRun], tuple[tuple[int, ...], ...]]] = {}
@@ -273,7 +272,7 @@ class LoRASlots:
             if self.shard_ranges is None and all(run.dtype == self.dtype for run in runs):
                 # a handful of calls, each a point where the step thread may lose the interpreter
                 # to another thread: one staging buffer and the copies' views, reused
-                with self.staging_lock:
+                with self._staging_lock:
                     staging, head = self._staging_for(payload.nbytes)
                     head.copy_(data, non_blocking=payload.pinned)
                     dsts, srcs = self._views(slot, runs, staging)

@@ -30,7 +30,6 @@ class Harness:
         worker_id: str = "worker",
         lookahead: int = 0,
         prefetch: int = 0,
-        async_loads: bool = False,
     ) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.slots = LoRASlots(config, max_loras, 64, torch.float32, "cpu")
@@ -43,7 +42,6 @@ class Harness:
             max_cpu_loras=max_cpu_loras,
             max_cpu_bytes=max_cpu_bytes,
             worker_id=worker_id,
-            async_loads=async_loads,
         )
         self.adapters = WorkerAdapters(
             self.pool, self.coordinator, max_tokens=64, lookahead=lookahead, prefetch=prefetch
@@ -75,19 +73,7 @@ class Harness:
             time.sleep(0.01)
         raise TimeoutError(ref)
 
-    def settle(self, timeout: float = 10.0) -> None:
-        """Wait until no slot is being copied into by the slot loader (none: at once)."""
-        import time
-
-        end = time.monotonic() + timeout
-        while any(s.loading for s in self.pool.tiers.table.slots):
-            if time.monotonic() > end:
-                raise TimeoutError("slot loads did not end")
-            time.sleep(0.002)
-
     def close(self) -> None:
-        if self.pool.loader is not None:
-            self.pool.loader.close()
         self.run(self.source.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)

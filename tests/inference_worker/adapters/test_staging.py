@@ -45,7 +45,6 @@ def test_queued_adapter_is_staged_before_its_turn(harness, lora_store):
     assert h.adapters.ahead.num_fetched_ahead == 2
     # the next step copies the first in arrival order into the free slot, nothing is evicted
     h.adapters.ahead.look_ahead(queue)
-    h.settle()
     assert tier(h, "qv-r8") == "gpu" and tier(h, "patterned") == "cpu"
     assert h.pool.metrics.value("loraserve_worker_adapter_evictions_total", {"tier": "gpu"}) == 0
     assert {tier(h, "all-r4"), tier(h, "mlp-rs16")} == {"gpu"}
@@ -69,7 +68,7 @@ def test_an_earlier_queued_request_keeps_its_slot(harness):
     h.pool.release(2)  # both slots idle; qv-r8's is the least recently used
     # queue: 10 waits for qv-r8 (position 0), 11 for patterned (position 1)
     h.adapters.ahead.look_ahead([(10, "qv-r8"), (11, "patterned")])
-    slot, _ = h.acquire_eventually(11, "patterned")
+    slot, _ = h.acquire(11, "patterned")
     assert slot == s_all  # not qv-r8's slot, though it is idle and used longer ago
     assert tier(h, "qv-r8") == "gpu"
     # a request behind both may take neither: patterned's slot runs, qv-r8's is queued for
