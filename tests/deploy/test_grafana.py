@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.gateway.metrics import GatewayMetrics
 from loraserve.inference_worker.adapters.metrics import AdapterMetrics
+from loraserve.inference_worker.engine.device_timing import DeviceTiming
 from loraserve.inference_worker.metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "loraserve.json"
@@ -28,6 +29,7 @@ SUFFIXES = {
 
 class _IdleEngine:
     num_waiting = num_running = num_free_blocks = 0
+    timing = DeviceTiming(on_cuda=False)
 
 
 def exported_series() -> dict[str, set[str]]:
