@@ -4,9 +4,10 @@ interceptors (loraserve/serving/interceptors.py) check bearer tokens and make er
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
     from loraserve.inference_worker.engine.output_queue import OutputCallback, OutputDispatcher
 
+log = logging.getLogger("loraserve.worker")
 VERSION = "0.1.0"
 
 _TIERS = {
@@ -82,7 +84,32 @@ def adapter_to_pb(a: AdapterState) -> worker_pb2.WorkerAdapter:
 
 def _deliver(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
     for callback, out in items:
-        callback(out)
+        try:
+            callback(out)
+        except Exception:  # one call's failure never keeps the others' outputs back
+            log.exception("delivering an output of request %s failed", out.request_id)
+
+
+def _split(
+    direct: Callable[[RequestOutput], None], queued: Callable[[RequestOutput], None]
+) -> Callable[[RequestOutput], None]:
+    """A generation's output callback that sends its running outputs with `direct` as they come
+    and queues the last one (or an error) for the call's task, which ends the call. A `direct`
+    that fails queues the failure instead: the call ends with it."""
+
+    def on_output(out: RequestOutput) -> None:
+        if out.last:
+            queued(out)
+            return
+        try:
+            direct(out)
+        except Exception as exc:
+            log.exception("sending an output of request %s failed", out.request_id)
+            queued(
+                RequestOutput(out.request_id, [], "", error=RuntimeError(f"sending the output failed: {exc}"))
+            )
+
+    return on_output
 
 
 def dispatch_on(loop: asyncio.AbstractEventLoop) -> OutputDispatcher:
@@ -124,10 +151,17 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
 
     # -------------------------------------------------------------------------- helpers
     async def _outputs(
-        self, request: worker_pb2.GenerateRequest, context: ServicerContext, method: str
+        self,
+        request: worker_pb2.GenerateRequest,
+        context: ServicerContext,
+        method: str,
+        direct: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Submits the request and yields its outputs; aborting the sequence if the call goes away."""
+        """Submits the request and yields its outputs; aborting the sequence if the call goes away.
+        With `direct`, the running outputs go to it on arrival (on the event loop) and only the
+        last one is yielded."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        on_output = queue.put_nowait if direct is None else _split(direct, queue.put_nowait)
         rid = request.request_id or uuid.uuid4().hex
         observer = RequestObserver(rid, request.adapter_id, self.metrics.per_adapter)
         remaining = context.time_remaining()
@@ -143,7 +177,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 request.prompt,
                 list(request.prompt_token_ids),
                 sampling_from_pb(request.sampling),
-                queue.put_nowait,
+                on_output,
                 request.adapter_id,
                 deadline,
                 [ChatMessage(m.role, m.content) for m in request.messages],
@@ -195,7 +229,20 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     async def GenerateStream(
         self, request: worker_pb2.GenerateRequest, context: ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
-        async with aclosing(self._outputs(request, context, "GenerateStream")) as outs:
+        # a relayed call (relay/core.py) takes its running messages straight from the engine's
+        # hand-over, not through this generator and the interceptors' around it: no task switch
+        # and no generator round trip per token on the event loop
+        send = getattr(context, "relay_send_message", None)
+        direct = None
+        if send is not None:
+            token_text = self.token_text
+
+            def direct(out: RequestOutput) -> None:
+                msg = stream_message(out, token_text)
+                if msg is not None:
+                    send(msg)
+
+        async with aclosing(self._outputs(request, context, "GenerateStream", direct)) as outs:
             async for out in outs:
                 msg = stream_message(out, self.token_text)
                 if msg is not None:

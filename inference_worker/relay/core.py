@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -33,6 +33,8 @@ class RelayContext:
         self._peer = peer
         self._code: grpc.StatusCode | None = None
         self._details = ""
+        # a response-streaming call's messages straight to the front (set by RelayServer._call)
+        self.relay_send_message: Callable[[Any], None] | None = None
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -173,9 +175,19 @@ class RelayServer:
                 return
             message = handler.request_deserializer(request)
             if handler.response_streaming:
-                behavior = handler.unary_stream
-                async for response in behavior(message, context):
-                    out.add(("message", key, handler.response_serializer(response)))
+                serialize = handler.response_serializer
+                open_ = [True]
+
+                def send(response: Any) -> None:  # until the call's end (or error) is sent
+                    if open_[0]:
+                        out.add(("message", key, serialize(response)))
+
+                context.relay_send_message = send
+                try:
+                    async for response in handler.unary_stream(message, context):
+                        out.add(("message", key, serialize(response)))
+                finally:
+                    open_[0] = False
                 out.add(("end", key, None))
             else:
                 response = await handler.unary_unary(message, context)

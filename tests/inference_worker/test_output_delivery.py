@@ -1,0 +1,86 @@
+"""How a step's outputs reach the calls on the event loop: one call's failure never holds the
+others' back; a relayed stream's running outputs go straight to the front (no task switch per
+token) while its last output ends the call through its task; nothing is sent for a call after
+its end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from loraserve.contract.usage import Usage
+from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutput
+from loraserve.inference_worker.relay.core import RelayServer
+from loraserve.inference_worker.service import _deliver, _split
+
+
+def test_a_failing_callback_does_not_hold_back_the_others() -> None:
+    got: list[str] = []
+
+    def broken(out: RequestOutput) -> None:
+        raise RuntimeError("closed")
+
+    outs = [RequestOutput(r, [1], "x") for r in ("a", "b", "c")]
+    _deliver([(got.append if o.request_id != "b" else broken, o) for o in outs])  # type: ignore[misc]
+    assert got == [outs[0], outs[2]]  # type: ignore[comparison-overlap]
+
+
+def test_running_outputs_go_direct_and_the_last_is_queued() -> None:
+    direct: list[RequestOutput] = []
+    queued: list[RequestOutput] = []
+    on_output = _split(direct.append, queued.append)
+    running = RequestOutput("r", [1], "a")
+    ended_one = RequestOutput("r", [2], "b", finish_reason=FinishReason.LENGTH, index=1)  # n = 2
+    last = RequestOutput("r", [3], "c", finish_reason=FinishReason.STOP, usage=Usage(3, 3, 1.0, 2.0, 3.0))
+    failed = RequestOutput("r", [], "", error=RuntimeError("rank lost"))
+    for out in (running, ended_one, last, failed):
+        on_output(out)
+    assert direct == [running, ended_one] and queued == [last, failed]
+
+
+def test_a_failed_direct_send_ends_the_call_with_its_error() -> None:
+    queued: list[RequestOutput] = []
+
+    def broken(out: RequestOutput) -> None:
+        raise ValueError("cannot encode")
+
+    _split(broken, queued.append)(RequestOutput("r", [1], "a"))
+    (out,) = queued
+    assert out.last and isinstance(out.error, RuntimeError) and "cannot encode" in str(out.error)
+
+
+class _Frames:
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []
+
+    def add(self, op: tuple) -> None:
+        self.ops.append(op)
+
+
+def test_a_relayed_stream_sends_direct_messages_until_its_end() -> None:
+    sends = []
+
+    async def behavior(request: bytes, context):  # type: ignore[no-untyped-def]
+        sends.append(context.relay_send_message)
+        context.relay_send_message(b"direct")
+        yield b"yielded"
+
+    handler = grpc.unary_stream_rpc_method_handler(
+        behavior, request_deserializer=lambda b: b, response_serializer=lambda m: m + b"!"
+    )
+    generic = grpc.method_handlers_generic_handler("svc", {"Stream": handler})
+    relay = RelayServer(
+        object(),
+        lambda _servicer, registry: registry.add_generic_rpc_handlers([generic]),
+        [],
+        ["/svc/Stream"],
+    )
+    frames = _Frames()
+    asyncio.run(relay._call(frames, 7, "/svc/Stream", b"", None, [], "peer"))  # type: ignore[arg-type]
+    sends[0](b"late")  # an output that arrives after the call ended: dropped
+    assert frames.ops == [
+        ("message", 7, b"direct!"),
+        ("message", 7, b"yielded!"),
+        ("end", 7, None),
+    ]
