@@ -22,7 +22,7 @@ from loraserve.inference_worker.metrics import WorkerMetrics
 from loraserve.inference_worker.model.chat_template import ChatMessage
 from loraserve.inference_worker.model.token_bytes import TokenBytes
 from loraserve.inference_worker.output_reader import OutputReader
-from loraserve.inference_worker.outputs_pb import ResponseBuilder, stream_message
+from loraserve.inference_worker.outputs_pb import FINISH, ResponseBuilder, stream_message
 from loraserve.inference_worker.request_observer import RequestObserver
 from loraserve.serving.errors import status_of
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
@@ -233,14 +233,19 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         # hand-over, not through this generator and the interceptors' around it: no task switch
         # and no generator round trip per token on the event loop
         send = getattr(context, "relay_send_message", None)
+        send_delta = getattr(context, "relay_send_delta", None)
         direct = None
-        if send is not None:
+        if send is not None and send_delta is not None:
             token_text = self.token_text
 
             def direct(out: RequestOutput) -> None:
-                msg = stream_message(out, token_text)
-                if msg is not None:
-                    send(msg)
+                if out.logprobs:  # tokens' texts and bytes come from this worker's tokenizer
+                    msg = stream_message(out, token_text)
+                    if msg is not None:
+                        send(msg)
+                elif out.finish_reason is not None or out.text or out.token_ids:
+                    finish = FINISH[out.finish_reason] if out.finish_reason is not None else 0
+                    send_delta((out.request_id, out.text, out.token_ids, out.index, finish))
 
         async with aclosing(self._outputs(request, context, "GenerateStream", direct)) as outs:
             async for out in outs:

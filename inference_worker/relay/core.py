@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from loraserve.inference_worker.relay.deltas import Delta
 from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
 
 log = logging.getLogger("loraserve.worker")
@@ -33,8 +34,10 @@ class RelayContext:
         self._peer = peer
         self._code: grpc.StatusCode | None = None
         self._details = ""
-        # a response-streaming call's messages straight to the front (set by RelayServer._call)
+        # a response-streaming call's messages straight to the front (set by RelayServer._call):
+        # a response, or a running output's fields for the front to build it from (deltas.py)
         self.relay_send_message: Callable[[Any], None] | None = None
+        self.relay_send_delta: Callable[[Delta], None] | None = None
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -182,7 +185,11 @@ class RelayServer:
                     if open_[0]:
                         out.add(("message", key, serialize(response)))
 
-                context.relay_send_message = send
+                def send_delta(delta: Delta) -> None:
+                    if open_[0]:
+                        out.add(("delta", key, delta))
+
+                context.relay_send_message, context.relay_send_delta = send, send_delta
                 try:
                     async for response in handler.unary_stream(message, context):
                         out.add(("message", key, serialize(response)))

@@ -5,6 +5,7 @@ directory only the worker's user can enter.
 front -> worker: ("call", key, method, request bytes, seconds left or None, metadata pairs, peer)
                  ("cancel", key)
 worker -> front: ("message", key, bytes)  a streamed response message
+                 ("delta", key, deltas.Delta)  one the front builds (a running output's fields)
                  ("end", key, bytes | None)  the call ended OK (a unary call's response)
                  ("error", key, status code name, details)
 """

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from loraserve.inference_worker.relay.deltas import delta_message
 from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
 
 SERVICE = "/loraserve.v1.InferenceWorker/"
@@ -124,6 +125,9 @@ class Front(grpc.GenericRpcHandler):
             try:
                 while True:
                     op = await queue.get()
+                    if op[0] == "delta":
+                        yield delta_message(op[2])
+                        continue
                     if op[0] == "message":
                         yield op[2]
                         continue

@@ -1,7 +1,7 @@
 """How a step's outputs reach the calls on the event loop: one call's failure never holds the
 others' back; a relayed stream's running outputs go straight to the front (no task switch per
 token) while its last output ends the call through its task; nothing is sent for a call after
-its end."""
+its end; the front builds from a running output's fields the message the worker would have sent."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import grpc
 
 from loraserve.contract.usage import Usage
 from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutput
+from loraserve.inference_worker.outputs_pb import FINISH, stream_message
 from loraserve.inference_worker.relay.core import RelayServer
+from loraserve.inference_worker.relay.deltas import delta_message
 from loraserve.inference_worker.service import _deliver, _split
+from loraserve.v1 import worker_pb2
 
 
 def test_a_failing_callback_does_not_hold_back_the_others() -> None:
@@ -63,7 +66,9 @@ def test_a_relayed_stream_sends_direct_messages_until_its_end() -> None:
 
     async def behavior(request: bytes, context):  # type: ignore[no-untyped-def]
         sends.append(context.relay_send_message)
+        sends.append(context.relay_send_delta)
         context.relay_send_message(b"direct")
+        context.relay_send_delta(("r", "a", [1], 0, 0))
         yield b"yielded"
 
     handler = grpc.unary_stream_rpc_method_handler(
@@ -78,9 +83,25 @@ def test_a_relayed_stream_sends_direct_messages_until_its_end() -> None:
     )
     frames = _Frames()
     asyncio.run(relay._call(frames, 7, "/svc/Stream", b"", None, [], "peer"))  # type: ignore[arg-type]
-    sends[0](b"late")  # an output that arrives after the call ended: dropped
+    sends[0](b"late")  # outputs that arrive after the call ended: dropped
+    sends[1](("r", "b", [2], 0, 0))
     assert frames.ops == [
         ("message", 7, b"direct!"),
+        ("delta", 7, ("r", "a", [1], 0, 0)),
         ("message", 7, b"yielded!"),
         ("end", 7, None),
     ]
+
+
+def test_a_delta_is_the_message_the_worker_would_have_sent() -> None:
+    outs = [
+        RequestOutput("r", [5, 6], "ab", index=1),
+        RequestOutput("r", [], "", finish_reason=FinishReason.LENGTH),
+        RequestOutput("r", [7], "é", finish_reason=FinishReason.EOS),
+    ]
+    for out in outs:
+        finish = FINISH[out.finish_reason] if out.finish_reason is not None else 0
+        sent = worker_pb2.GenerateStreamResponse.FromString(
+            delta_message((out.request_id, out.text, out.token_ids, out.index, finish))
+        )
+        assert sent == stream_message(out, lambda t: ("", b""))
