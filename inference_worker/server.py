@@ -32,9 +32,10 @@ from loraserve.inference_worker.engine.engine import LLMEngine
 from loraserve.inference_worker.errors import DependencyUnavailable, WorkerError
 from loraserve.inference_worker.metrics import WorkerMetrics
 from loraserve.inference_worker.model.config import ModelConfigError
+from loraserve.inference_worker.output_delivery import dispatch_on
 from loraserve.inference_worker.relay.core import RelayServer
 from loraserve.inference_worker.relay.launch import FrontProcess
-from loraserve.inference_worker.service import InferenceWorkerServicer, dispatch_on
+from loraserve.inference_worker.service import InferenceWorkerServicer
 from loraserve.serving import tracing
 from loraserve.serving.background import BackgroundServer
 from loraserve.serving.gc_tuning import tune_gc

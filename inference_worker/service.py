@@ -4,7 +4,6 @@ interceptors (loraserve/serving/interceptors.py) check bearer tokens and make er
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -21,6 +20,7 @@ from loraserve.inference_worker.errors import Draining, InvalidRequest, NoAdapte
 from loraserve.inference_worker.metrics import WorkerMetrics
 from loraserve.inference_worker.model.chat_template import ChatMessage
 from loraserve.inference_worker.model.token_bytes import TokenBytes
+from loraserve.inference_worker.output_delivery import split
 from loraserve.inference_worker.output_reader import OutputReader
 from loraserve.inference_worker.outputs_pb import FINISH, ResponseBuilder, stream_message
 from loraserve.inference_worker.request_observer import RequestObserver
@@ -30,9 +30,7 @@ from loraserve.v1 import worker_pb2, worker_pb2_grpc
 if TYPE_CHECKING:
     from grpc.aio import ServicerContext
 
-    from loraserve.inference_worker.engine.output_queue import OutputCallback, OutputDispatcher
 
-log = logging.getLogger("loraserve.worker")
 VERSION = "0.1.0"
 
 _TIERS = {
@@ -82,46 +80,6 @@ def adapter_to_pb(a: AdapterState) -> worker_pb2.WorkerAdapter:
     return pb
 
 
-def _deliver(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
-    for callback, out in items:
-        try:
-            callback(out)
-        except Exception:  # one call's failure never keeps the others' outputs back
-            log.exception("delivering an output of request %s failed", out.request_id)
-
-
-def _split(
-    direct: Callable[[RequestOutput], None], queued: Callable[[RequestOutput], None]
-) -> Callable[[RequestOutput], None]:
-    """A generation's output callback that sends its running outputs with `direct` as they come
-    and queues the last one (or an error) for the call's task, which ends the call. A `direct`
-    that fails queues the failure instead: the call ends with it."""
-
-    def on_output(out: RequestOutput) -> None:
-        if out.last:
-            queued(out)
-            return
-        try:
-            direct(out)
-        except Exception as exc:
-            log.exception("sending an output of request %s failed", out.request_id)
-            queued(
-                RequestOutput(out.request_id, [], "", error=RuntimeError(f"sending the output failed: {exc}"))
-            )
-
-    return on_output
-
-
-def dispatch_on(loop: asyncio.AbstractEventLoop) -> OutputDispatcher:
-    """An engine output dispatcher: one thread-safe hand-over per step to `loop`, where each
-    request's callback (its queue's put_nowait) runs."""
-
-    def dispatch(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
-        loop.call_soon_threadsafe(_deliver, items)
-
-    return dispatch
-
-
 class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
     def __init__(
         self,
@@ -161,7 +119,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         With `direct`, the running outputs go to it on arrival (on the event loop) and only the
         last one is yielded."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        on_output = queue.put_nowait if direct is None else _split(direct, queue.put_nowait)
+        on_output = queue.put_nowait if direct is None else split(direct, queue.put_nowait)
         rid = request.request_id or uuid.uuid4().hex
         observer = RequestObserver(rid, request.adapter_id, self.metrics.per_adapter)
         remaining = context.time_remaining()

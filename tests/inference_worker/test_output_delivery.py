@@ -11,10 +11,10 @@ import grpc
 
 from loraserve.contract.usage import Usage
 from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutput
+from loraserve.inference_worker.output_delivery import Handover, coalesce, deliver, split
 from loraserve.inference_worker.outputs_pb import FINISH, stream_message
 from loraserve.inference_worker.relay.core import RelayServer
 from loraserve.inference_worker.relay.deltas import delta_message
-from loraserve.inference_worker.service import _deliver, _split
 from loraserve.v1 import worker_pb2
 
 
@@ -25,14 +25,14 @@ def test_a_failing_callback_does_not_hold_back_the_others() -> None:
         raise RuntimeError("closed")
 
     outs = [RequestOutput(r, [1], "x") for r in ("a", "b", "c")]
-    _deliver([(got.append if o.request_id != "b" else broken, o) for o in outs])  # type: ignore[misc]
+    deliver([(got.append if o.request_id != "b" else broken, o) for o in outs])  # type: ignore[misc]
     assert got == [outs[0], outs[2]]  # type: ignore[comparison-overlap]
 
 
 def test_running_outputs_go_direct_and_the_last_is_queued() -> None:
     direct: list[RequestOutput] = []
     queued: list[RequestOutput] = []
-    on_output = _split(direct.append, queued.append)
+    on_output = split(direct.append, queued.append)
     running = RequestOutput("r", [1], "a")
     ended_one = RequestOutput("r", [2], "b", finish_reason=FinishReason.LENGTH, index=1)  # n = 2
     last = RequestOutput("r", [3], "c", finish_reason=FinishReason.STOP, usage=Usage(3, 3, 1.0, 2.0, 3.0))
@@ -48,7 +48,7 @@ def test_a_failed_direct_send_ends_the_call_with_its_error() -> None:
     def broken(out: RequestOutput) -> None:
         raise ValueError("cannot encode")
 
-    _split(broken, queued.append)(RequestOutput("r", [1], "a"))
+    split(broken, queued.append)(RequestOutput("r", [1], "a"))
     (out,) = queued
     assert out.last and isinstance(out.error, RuntimeError) and "cannot encode" in str(out.error)
 
@@ -105,3 +105,43 @@ def test_a_delta_is_the_message_the_worker_would_have_sent() -> None:
             delta_message((out.request_id, out.text, out.token_ids, out.index, finish))
         )
         assert sent == stream_message(out, lambda t: ("", b""))
+
+
+def test_outputs_handed_over_while_the_loop_was_busy_are_merged() -> None:
+    got: dict[str, list[RequestOutput]] = {"a": [], "b": []}
+    step1 = [(got["a"].append, RequestOutput("a", [1], "x")), (got["b"].append, RequestOutput("b", [7], "p"))]
+    step2 = [
+        (got["a"].append, RequestOutput("a", [2], "y", finish_reason=FinishReason.LENGTH)),
+        (got["b"].append, RequestOutput("b", [8], "q", index=1)),  # another completion: not merged
+    ]
+    step3 = [(got["a"].append, RequestOutput("a", [], "", usage=Usage(1, 2, 1.0, 2.0, 3.0)))]
+
+    async def run() -> None:
+        handover = Handover(asyncio.get_running_loop())
+        for step in (step1, step2, step3):  # three steps before the loop gets to run
+            handover.dispatch(step)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        # one step while the loop keeps up: delivered as it is
+        handover.dispatch([(got["b"].append, RequestOutput("b", [9], "r"))])
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    a, b = got["a"], got["b"]
+    # a's two running outputs merged; the one after its ending is not merged into it
+    assert [(o.token_ids, o.text, o.finish_reason) for o in a] == [
+        ([1, 2], "xy", FinishReason.LENGTH),
+        ([], "", None),
+    ]
+    assert a[1].usage is not None
+    assert [(o.token_ids, o.index) for o in b] == [([7], 0), ([8], 1), ([9], 0)]
+
+
+def test_coalesce_never_merges_past_an_error() -> None:
+    cb: list[RequestOutput] = []
+    items = [
+        (cb.append, RequestOutput("r", [1], "a")),
+        (cb.append, RequestOutput("r", [], "", error=RuntimeError("lost"))),
+        (cb.append, RequestOutput("r", [2], "b")),
+    ]
+    assert [o for _, o in coalesce(items)] == [o for _, o in items]  # type: ignore[misc]
