@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving_fleet import Fleet, Service, WorkerOptions, register_all, write_adapters, write_model
 from serving_probes import EngineSampler, host_cpu, py_spy
+from serving_report import device_name, line_for, resident_share
 
 from loraserve.clients.bench.runner import RunLimits, run_benchmark
 from loraserve.clients.bench.targets import RouterTarget, Sampling, Target, WorkerTarget
@@ -51,14 +52,6 @@ S_LORA_RATIO = 7.61 / 8.05  # S-LoRA's 1,000 / 5 adapters throughput (0.945)
 def length_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     return int(lo), int(hi or lo)
-
-
-def resident_share(summary: dict) -> float | None:
-    """Requests whose adapter was in the GPU or CPU tier on arrival, over requests with an adapter."""
-    by_tier = summary.get("ttft_ms_by_tier") or {}
-    counts = {t: s["count"] for t, s in by_tier.items()}
-    total = sum(counts.values())
-    return round((counts.get("gpu", 0) + counts.get("cpu", 0)) / total, 4) if total else None
 
 
 class Bench:
@@ -281,30 +274,6 @@ class Bench:
             prefetch=0,
             cuda_graphs=a.device != "cpu",
         )
-
-
-def device_name(device: str) -> str:
-    import torch
-
-    if device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return "cpu"
-
-
-def line_for(n: int, row: dict) -> str:
-    sat, l80 = row["saturation"], row["load_80"]
-    tiers = l80.get("ttft_ms_by_tier") or {}
-    by_tier = "  ".join(f"{t} p99 {s['p99']} ({s['count']})" for t, s in tiers.items())
-    activity = l80.get("adapter_activity") or {}
-    fetch_ms = (activity.get("mean_load_ms") or {}).get("cpu")
-    origins = activity.get("store_fetch_origins") or {}
-    fetches = f"  fetch {fetch_ms} ms mean, store {origins}" if fetch_ms is not None else ""
-    if "engine" in sat:
-        fetches += f"  engine empty {sat['engine']['empty_share']:.0%} at saturation"
-    return (
-        f"N={n:5d}  saturation {sat['request_throughput']:.2f} req/s {sat['output_token_throughput']:.0f} tok/s"
-        f"  @80% TTFT p50 {l80['ttft_ms']['p50']} p99 {l80['ttft_ms']['p99']} ms  by tier: {by_tier}{fetches}"
-    )
 
 
 def parser() -> argparse.ArgumentParser:

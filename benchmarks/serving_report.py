@@ -1,0 +1,38 @@
+"""What the serving benchmark (bench_serving.py) reports of its runs: the device's name, the share
+of requests that found their adapter resident, and one line per N."""
+
+from __future__ import annotations
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "cpu"
+
+
+def line_for(n: int, row: dict) -> str:
+    sat, l80 = row["saturation"], row["load_80"]
+    tiers = l80.get("ttft_ms_by_tier") or {}
+    by_tier = "  ".join(f"{t} p99 {s['p99']} ({s['count']})" for t, s in tiers.items())
+    activity = l80.get("adapter_activity") or {}
+    fetch_ms = (activity.get("mean_load_ms") or {}).get("cpu")
+    origins = activity.get("store_fetch_origins") or {}
+    fetches = f"  fetch {fetch_ms} ms mean, store {origins}" if fetch_ms is not None else ""
+    if "engine" in sat:
+        fetches += f"  engine empty {sat['engine']['empty_share']:.0%} at saturation"
+    step = (sat.get("adapter_activity") or {}).get("step_ms")
+    steps = f" {step} ms a step" if step is not None else ""
+    return (
+        f"N={n:5d}  saturation {sat['request_throughput']:.2f} req/s {sat['output_token_throughput']:.0f} tok/s{steps}"
+        f"  @80% TTFT p50 {l80['ttft_ms']['p50']} p99 {l80['ttft_ms']['p99']} ms  by tier: {by_tier}{fetches}"
+    )
+
+
+def resident_share(summary: dict) -> float | None:
+    """Requests whose adapter was in the GPU or CPU tier on arrival, over requests with an adapter."""
+    by_tier = summary.get("ttft_ms_by_tier") or {}
+    counts = {t: s["count"] for t, s in by_tier.items()}
+    total = sum(counts.values())
+    return round((counts.get("gpu", 0) + counts.get("cpu", 0)) / total, 4) if total else None
