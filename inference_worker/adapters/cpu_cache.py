@@ -49,16 +49,27 @@ class CpuCache:
         self.remove(payload.key)
         self._entries[payload.key] = payload
         self.nbytes += payload.nbytes
-        order = list(self._entries)
-        if keep is not None:  # stable: the unkept in LRU order first, then the kept
-            order = [k for k in order if not keep(k)] + [k for k in order if keep(k)]
-        evicted = []
-        for key in order:
-            if len(self._entries) <= self.max_adapters and self.nbytes <= self.max_bytes:
-                break
+        evicted: list[str] = []
+        if self._within_budgets():
+            return evicted
+        kept: list[str] = []  # in LRU order, evicted only once nothing else is left
+        for key in list(self._entries):  # LRU first; usually one entry goes
+            if keep is not None and keep(key):
+                kept.append(key)
+                continue
             self.remove(key)
             evicted.append(key)
+            if self._within_budgets():
+                return evicted
+        for key in kept:
+            self.remove(key)
+            evicted.append(key)
+            if self._within_budgets():
+                break
         return evicted
+
+    def _within_budgets(self) -> bool:
+        return len(self._entries) <= self.max_adapters and self.nbytes <= self.max_bytes
 
     @property
     def room(self) -> int:
