@@ -123,6 +123,7 @@ class WorkerServer:
                 worker_pb2_grpc.add_InferenceWorkerServicer_to_server,
                 self.interceptors,
                 [f"/{SERVICE_NAME}/{m}" for m in GENERATE_METHODS],
+                tokenizer_json=self.engine.tokenizer.to_str(),
             )
         self.metrics_port: int | None = None
 

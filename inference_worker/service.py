@@ -40,7 +40,8 @@ _TIERS = {
 }
 
 
-def sampling_from_pb(s: worker_pb2.SamplingParams) -> SamplingParams:
+def sampling_from_pb(s: worker_pb2.SamplingParams, detokenize: bool = True) -> SamplingParams:
+    """`detokenize` False is kept only for requests whose text needs nothing but their tokens."""
     return SamplingParams(
         max_tokens=s.max_tokens,
         temperature=s.temperature,
@@ -56,6 +57,7 @@ def sampling_from_pb(s: worker_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty != 0 else 1.0,
+        detokenize=detokenize or bool(s.stop) or s.logprobs,
     )
 
 
@@ -114,10 +116,12 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         context: ServicerContext,
         method: str,
         direct: Callable[[RequestOutput], None] | None = None,
+        detokenize: bool = True,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submits the request and yields its outputs; aborting the sequence if the call goes away.
         With `direct`, the running outputs go to it on arrival (on the event loop) and only the
-        last one is yielded."""
+        last one is yielded. `detokenize` False: outputs carry tokens only, where the request
+        allows it (no stop strings, no logprobs): the relay's front makes their text."""
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         on_output = queue.put_nowait if direct is None else split(direct, queue.put_nowait)
         rid = request.request_id or uuid.uuid4().hex
@@ -134,7 +138,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 rid,
                 request.prompt,
                 list(request.prompt_token_ids),
-                sampling_from_pb(request.sampling),
+                sampling_from_pb(request.sampling, detokenize),
                 on_output,
                 request.adapter_id,
                 deadline,
@@ -205,7 +209,9 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                     finish = FINISH[out.finish_reason] if out.finish_reason is not None else 0
                     send_delta((out.request_id, out.text, out.token_ids, out.index, finish))
 
-        async with aclosing(self._outputs(request, context, "GenerateStream", direct)) as outs:
+        detokenize = not getattr(context, "relay_text_in_front", False)
+        outputs = self._outputs(request, context, "GenerateStream", direct, detokenize)
+        async with aclosing(outputs) as outs:
             async for out in outs:
                 msg = stream_message(out, self.token_text)
                 if msg is not None:

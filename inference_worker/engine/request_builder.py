@@ -27,7 +27,7 @@ from loraserve.inference_worker.engine.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
-from loraserve.inference_worker.engine.text_stream import TextStream
+from loraserve.inference_worker.engine.text_stream import NO_TEXT, TextStream
 from loraserve.inference_worker.errors import InvalidRequest
 from loraserve.inference_worker.model.chat_template import ChatMessage, ChatTemplate
 
@@ -120,6 +120,8 @@ class RequestBuilder:
             max_chars=cfg.prompt_char_limit,
         )
         check_stops(p.stop, p.stop_token_ids)
+        if p.stop and not p.detokenize:
+            raise ValueError("stop strings need the text: a request with them is detokenized here")
         check_sampling_params(p, cfg.max_num_seqs)
         ids, eos = self._prompt_ids(prompt, prompt_token_ids, messages, add_generation_prompt)
         max_tokens = self._max_tokens(len(ids), p.max_tokens)
@@ -134,7 +136,7 @@ class RequestBuilder:
                 if p.seed is not None and i
                 else p,
                 on_output=on_output,
-                text_stream=TextStream(self.tokenizer, p.stop),
+                text_stream=TextStream(self.tokenizer, p.stop) if p.detokenize else NO_TEXT,
                 adapter_id=adapter_id,
                 deadline=deadline,
                 eos_token_ids=eos,

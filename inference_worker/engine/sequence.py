@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraserve.contract.usage import Usage
-from loraserve.inference_worker.engine.text_stream import TextStream
+from loraserve.inference_worker.engine.text_stream import NoText, TextStream
 
 
 class FinishReason(enum.Enum):
@@ -44,6 +44,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: over generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # Hugging Face: over prompt and generated tokens, 1 = off
+    # False: the output's text is made elsewhere from its tokens (the stream relay's front), and
+    # the outputs carry tokens only; for requests without stop strings
+    detokenize: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -98,7 +101,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     on_output: Callable[[RequestOutput], None]
-    text_stream: TextStream
+    text_stream: TextStream | NoText
     adapter_id: str = ""  # "" = base model; passed through untouched ("id@digest" allowed)
     deadline: float | None = None  # time.monotonic() deadline, None = none
     seq_id: int = field(default_factory=lambda: next(_ids))

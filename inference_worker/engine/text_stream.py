@@ -92,3 +92,19 @@ class TextStream:
         end = max(0, len(self.unsent) - self.holdback)
         out, self.unsent = self.unsent[:end], self.unsent[end:]
         return out
+
+
+class NoText:
+    """The text stream of a sequence whose text is made elsewhere (`SamplingParams.detokenize`
+    False): no text, and no stop strings to find in it."""
+
+    stopped = False
+
+    def feed(self, token_ids: list[int]) -> bool:
+        return False
+
+    def take(self, final: bool) -> str:
+        return ""
+
+
+NO_TEXT = NoText()

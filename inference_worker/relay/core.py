@@ -38,6 +38,7 @@ class RelayContext:
         # a response, or a running output's fields for the front to build it from (deltas.py)
         self.relay_send_message: Callable[[Any], None] | None = None
         self.relay_send_delta: Callable[[Delta], None] | None = None
+        self.relay_text_in_front = False  # the front makes this stream's text (front_text.py)
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -93,8 +94,12 @@ class RelayServer:
         add_servicer: Any,
         interceptors: Sequence[grpc.aio.ServerInterceptor],
         methods: Sequence[str],
+        tokenizer_json: str | None = None,
     ) -> None:
+        """tokenizer_json: the worker's tokenizer, sent to the front first on each connection
+        (it makes the text of the streams it marks); None: the worker makes all text."""
         registry = _Registry()
+        self._tokenizer_json = tokenizer_json
         add_servicer(servicer, registry)
         self._generic = registry.handlers
         self._interceptors = list(interceptors)
@@ -126,6 +131,8 @@ class RelayServer:
         self.connected.set()
         out = FrameWriter(writer)
         self._writers.add(out)
+        if self._tokenizer_json is not None:
+            out.add(("tokenizer", -1, self._tokenizer_json))
         calls: dict[int, asyncio.Task[None]] = {}
         try:
             while (ops := await read_frame(reader)) is not None:
@@ -169,8 +176,10 @@ class RelayServer:
         timeout: float | None,
         metadata: Sequence[tuple[str, str]],
         peer: str,
+        text_in_front: bool = False,
     ) -> None:
         context = RelayContext(timeout, metadata, peer)
+        context.relay_text_in_front = text_in_front
         try:
             handler = await self._handler(method, metadata) if method in self._methods else None
             if handler is None:

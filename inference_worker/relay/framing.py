@@ -2,9 +2,11 @@
 list of operations. Both ends are this package's own processes on one host, over a socket in a
 directory only the worker's user can enter.
 
-front -> worker: ("call", key, method, request bytes, seconds left or None, metadata pairs, peer)
+front -> worker: ("call", key, method, request bytes, seconds left or None, metadata pairs, peer,
+                  whether the front makes the stream's text)
                  ("cancel", key)
-worker -> front: ("message", key, bytes)  a streamed response message
+worker -> front: ("tokenizer", -1, tokenizer JSON)  first on each connection (front_text.py)
+                 ("message", key, bytes)  a streamed response message
                  ("delta", key, deltas.Delta)  one the front builds (a running output's fields)
                  ("end", key, bytes | None)  the call ended OK (a unary call's response)
                  ("error", key, status code name, details)

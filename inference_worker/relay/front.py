@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from tokenizers import Tokenizer
 
 from loraserve.inference_worker.relay.deltas import delta_message
 from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
+from loraserve.inference_worker.relay.front_text import StreamText, text_in_front
 
 SERVICE = "/loraserve.v1.InferenceWorker/"
 RELAYED = {SERVICE + "GenerateStream": True, SERVICE + "Generate": False}  # -> response streaming
@@ -51,6 +53,7 @@ class Link:
 
     def __init__(self) -> None:
         self.out: FrameWriter | None = None
+        self.tokenizer: Tokenizer | None = None  # the worker's, sent first: the text of its streams
         self.calls: dict[int, asyncio.Queue[tuple[Any, ...]]] = {}
         self.closed = asyncio.Event()
         self._next = 0
@@ -70,7 +73,9 @@ class Link:
         try:
             while (ops := await read_frame(reader)) is not None:
                 for op in ops:
-                    if (queue := self.calls.get(op[1])) is not None:
+                    if op[0] == "tokenizer":
+                        self.tokenizer = Tokenizer.from_str(op[2])
+                    elif (queue := self.calls.get(op[1])) is not None:
                         queue.put_nowait(op)
         except ConnectionError as exc:
             print(f"relay connection closed: {exc}", file=sys.stderr, flush=True)
@@ -80,7 +85,7 @@ class Link:
         self.closed.set()
 
     def call(
-        self, method: str, request: bytes, context: grpc.aio.ServicerContext
+        self, method: str, request: bytes, context: grpc.aio.ServicerContext, text_here: bool = False
     ) -> tuple[int, asyncio.Queue]:
         key, self._next = self._next, self._next + 1
         queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
@@ -88,7 +93,16 @@ class Link:
         if self.out is None:
             queue.put_nowait(("error", key, "UNAVAILABLE", "the worker is not serving yet"))
         else:
-            op = ("call", key, method, request, context.time_remaining(), _metadata(context), context.peer())
+            op = (
+                "call",
+                key,
+                method,
+                request,
+                context.time_remaining(),
+                _metadata(context),
+                context.peer(),
+                text_here,
+            )
             self.out.add(op)
         return key, queue
 
@@ -120,16 +134,18 @@ class Front(grpc.GenericRpcHandler):
     # ------------------------------------------------------------------- relayed generations
     def _relay_stream(self, method: str) -> Any:
         async def behavior(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            key, queue = self.link.call(method, request, context)
+            tokenizer = self.link.tokenizer
+            text = StreamText(tokenizer) if tokenizer is not None and text_in_front(request) else None
+            key, queue = self.link.call(method, request, context, text_here=text is not None)
             ended = False
             try:
                 while True:
                     op = await queue.get()
                     if op[0] == "delta":
-                        yield delta_message(op[2])
+                        yield delta_message(op[2]) if text is None else text.delta(op[2])
                         continue
                     if op[0] == "message":
-                        yield op[2]
+                        yield op[2] if text is None else text.message(op[2])
                         continue
                     ended = True
                     if op[0] == "error":

@@ -90,7 +90,10 @@ def test_a_malformed_frame_closes_only_its_connection(start_worker) -> None:
         rogue.connect(bg.server.front.socket_path)
         rogue.sendall(b"\x00\x00\x00\x05hello")  # a frame whose body is not one
         rogue.settimeout(10)
-        assert rogue.recv(16) == b""  # closed by the worker
+        received = b""
+        while chunk := rogue.recv(1 << 16):  # the worker's tokenizer (sent first), then the end
+            received += chunk
+        assert received[4:].find(b"tokenizer") >= 0  # closed by the worker after that one frame
     reply = stub_for(bg.address).Generate(build_request("Hello", max_tokens=3, ignore_eos=True), timeout=30)
     assert len(reply.token_ids) == 3
 
@@ -147,3 +150,34 @@ def test_the_front_leaves_a_sigterm_to_its_worker(start_worker) -> None:
     started = time.monotonic()
     bg.stop()
     assert front.proc.poll() is not None and time.monotonic() - started < 10
+
+
+def test_the_front_makes_the_text_of_plain_streams(start_worker) -> None:
+    """A relayed stream without stop strings or logprobs is generated with tokens only and the
+    front makes its text: the same text, per completion, as the worker makes for the same seeded
+    request answered whole; a stream with stop strings or logprobs, and Generate, keep theirs."""
+    bg = start_worker(stream_process=True)
+    engine = bg.server.engine
+    made: list[bool] = []
+    build = engine.make_sequence
+
+    def recording(*args, **kw):  # type: ignore[no-untyped-def]
+        seq = build(*args, **kw)
+        made.append(seq.params.detokenize)
+        return seq
+
+    engine.make_sequence = recording  # type: ignore[method-assign]
+    stub = stub_for(bg.address)
+    kw = dict(max_tokens=40, ignore_eos=True, temperature=1.0, seed=11, n=2)
+    whole = stub.Generate(build_request("Once upon a time", **kw), timeout=30)
+    streamed: dict[int, tuple[list[int], str, int]] = {}
+    for msg in stub.GenerateStream(build_request("Once upon a time", **kw), timeout=30):
+        ids, text, finish = streamed.get(msg.index, ([], "", 0))
+        streamed[msg.index] = (ids + list(msg.token_ids), text + msg.text, msg.finish_reason or finish)
+    assert len(whole.completions) == 2
+    for c in whole.completions:
+        assert streamed[c.index] == (list(c.token_ids), c.text, c.finish_reason)
+        assert c.text  # a random model's 40 tokens decode to some text
+    list(stub.GenerateStream(build_request("Hi", max_tokens=5, stop=["never said"]), timeout=30))
+    list(stub.GenerateStream(build_request("Hi", max_tokens=5, logprobs=True), timeout=30))
+    assert made == [True, False, True, True]
