@@ -6,7 +6,7 @@ model, over a small vocabulary, so the tensor ops cost about what launching them
 and what is left is the step's Python. On a GPU this work overlaps the device's step (asynchronous
 scheduling) only while it is shorter: at Llama-3.2-1B batch 256 it was not (overhead.md).
 
-    python benchmarks/bench_host_step.py [--batch 256] [--steps 200] [--profile 25]
+    python benchmarks/bench_host_step.py [--batch 256] [--steps 200] [--profile 25] [--text-in-front]
 """
 
 from __future__ import annotations
@@ -106,6 +106,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="decode steps timed")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--profile", type=int, default=0, help="print this many functions of a cProfile run")
+    p.add_argument(
+        "--text-in-front",
+        action="store_true",
+        help="sequences with tokens only (the relay's front makes the text)",
+    )
     a = p.parse_args()
     max_len = PROMPT_LEN + (2 * a.rounds + 1) * a.steps + 16
     engine = make_engine(a.batch, max_len)
@@ -120,7 +125,9 @@ def main() -> None:
 
     for i in range(a.batch):
         ids = torch.randint(0, VOCAB - 1, (PROMPT_LEN,), generator=g).tolist()
-        params = SamplingParams(max_tokens=max_len - PROMPT_LEN, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=max_len - PROMPT_LEN, ignore_eos=True, detokenize=not a.text_in_front
+        )
         engine.submit(engine.make_sequence(f"r{i}", "", ids, params, receiver(i)))
     while not all(outs):
         engine.step()
@@ -133,7 +140,7 @@ def main() -> None:
             default.append(per_step(engine, a.steps))
     for label, times in (("worker GC settings", tuned), ("Python's default GC", default)):
         print(
-            f"batch {a.batch}, {label}: host ms per decode step {statistics.median(times):.3f} "
+            f"batch {a.batch}{', text in front' if a.text_in_front else ''}, {label}: host ms per decode step {statistics.median(times):.3f} "
             f"(min {min(times):.3f}, max {max(times):.3f}) over {a.rounds} rounds of {a.steps}"
         )
     if a.profile:
