@@ -48,6 +48,19 @@ def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, Any]]:
     ]
 
 
+def load_tokenizer(text: str) -> Tokenizer | None:
+    """The worker's tokenizer; None (the worker then makes all text) when it does not load here."""
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:
+        print(
+            f"the worker's tokenizer did not load ({exc}); the worker makes the text",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+
+
 class Link:
     """The connection to the worker's relay socket; each relayed call reads its own queue."""
 
@@ -74,7 +87,7 @@ class Link:
             while (ops := await read_frame(reader)) is not None:
                 for op in ops:
                     if op[0] == "tokenizer":
-                        self.tokenizer = Tokenizer.from_str(op[2])
+                        self.tokenizer = load_tokenizer(op[2])
                     elif (queue := self.calls.get(op[1])) is not None:
                         queue.put_nowait(op)
         except ConnectionError as exc:

@@ -1,7 +1,7 @@
 """The front's text of a stream is the worker's: StreamText over a stream's messages (tokens in
 chunks of any size, a completion's last message final) gives what the worker's TextStream gives
 over the same tokens, multi-byte characters split across tokens included; eligibility: no stop
-strings, no logprobs."""
+strings, no logprobs; a tokenizer the front cannot load leaves the text to the worker."""
 
 from __future__ import annotations
 
@@ -65,3 +65,13 @@ def test_only_requests_whose_text_is_their_tokens() -> None:
     assert not text_in_front(request(stop=["."]))
     assert not text_in_front(request(logprobs=True))
     assert not text_in_front(b"\xff\xff not a request")
+
+
+def test_a_tokenizer_that_does_not_load_leaves_the_text_to_the_worker(tiny_model_dir, capsys) -> None:
+    from loraserve.inference_worker.relay.front import load_tokenizer as front_tokenizer
+
+    assert front_tokenizer("{not a tokenizer") is None
+    assert "did not load" in capsys.readouterr().err
+    worker = load_tokenizer(tiny_model_dir)
+    sent = front_tokenizer(worker.to_str())
+    assert sent is not None and sent.encode(TEXT).ids == worker.encode(TEXT).ids
