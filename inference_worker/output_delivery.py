@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from loraserve.inference_worker.engine.output_queue import OutputCallback
 from loraserve.inference_worker.engine.sequence import RequestOutput
-from loraserve.inference_worker.output_reader import merged
+from loraserve.inference_worker.output_reader import mergeable, merged
 
 log = logging.getLogger("loraserve.worker")
 Items = list[tuple[OutputCallback, RequestOutput]]
@@ -38,12 +38,10 @@ def coalesce(items: Items) -> Items:
     by_callback: dict[OutputCallback, list[RequestOutput]] = {}
     for callback, out in items:
         outs = by_callback.setdefault(callback, [])
-        if outs:
-            prev = outs[-1]
-            if prev.index == out.index and not prev.finished and prev.error is None and out.error is None:
-                outs[-1] = merged(prev, out)
-                continue
-        outs.append(out)
+        if outs and mergeable(outs[-1], out):
+            outs[-1] = merged(outs[-1], out)
+        else:
+            outs.append(out)
     return [(callback, out) for callback, outs in by_callback.items() for out in outs]
 
 

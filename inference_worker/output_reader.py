@@ -26,6 +26,11 @@ def merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )
 
 
+def mergeable(a: RequestOutput, b: RequestOutput) -> bool:
+    """Whether `b` may be merged into `a` (it follows it): one completion, `a` not ended, no error."""
+    return b.index == a.index and not a.finished and a.error is None and b.error is None
+
+
 class OutputReader:
     def __init__(self, queue: asyncio.Queue[RequestOutput]) -> None:
         self.queue = queue
@@ -38,7 +43,7 @@ class OutputReader:
         self._held = None
         while not out.finished and out.error is None and not self.queue.empty():
             nxt = self.queue.get_nowait()
-            if nxt.index != out.index or nxt.error is not None:
+            if not mergeable(out, nxt):
                 self._held = nxt
                 break
             out = merged(out, nxt)

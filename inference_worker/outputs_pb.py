@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutput, TokenLogprob
+from loraserve.inference_worker.relay.deltas import Delta
 from loraserve.v1 import worker_pb2
 
 FINISH = {
@@ -29,9 +30,23 @@ def logprobs_to_pb(lps: list[TokenLogprob], token_text: TokenText) -> list[worke
     return out
 
 
+def _empty(out: RequestOutput) -> bool:
+    """A delta that adds nothing and ends nothing: no message."""
+    return out.finish_reason is None and not out.text and not out.token_ids
+
+
+def stream_delta(out: RequestOutput) -> Delta | None:
+    """A running output without logprobs or usage as the fields the relay's front builds its
+    message from (relay/deltas.py); None for an empty one."""
+    if _empty(out):
+        return None
+    finish = FINISH[out.finish_reason] if out.finish_reason is not None else 0
+    return out.request_id, out.text, out.token_ids, out.index, finish
+
+
 def stream_message(out: RequestOutput, token_text: TokenText) -> worker_pb2.GenerateStreamResponse | None:
     """One stream message for an output; None for an empty delta that ends nothing."""
-    if out.finish_reason is None and not out.text and not out.token_ids:
+    if _empty(out):
         return None
     msg = worker_pb2.GenerateStreamResponse(
         request_id=out.request_id,

@@ -22,13 +22,16 @@ from loraserve.inference_worker.model.chat_template import ChatMessage
 from loraserve.inference_worker.model.token_bytes import TokenBytes
 from loraserve.inference_worker.output_delivery import split
 from loraserve.inference_worker.output_reader import OutputReader
-from loraserve.inference_worker.outputs_pb import FINISH, ResponseBuilder, stream_message
+from loraserve.inference_worker.outputs_pb import ResponseBuilder, stream_delta, stream_message
+from loraserve.inference_worker.relay.front_text import text_from_tokens
 from loraserve.inference_worker.request_observer import RequestObserver
 from loraserve.serving.errors import status_of
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from grpc.aio import ServicerContext
+
+    from loraserve.inference_worker.relay.core import RelayStream
 
 
 VERSION = "0.1.0"
@@ -57,7 +60,7 @@ def sampling_from_pb(s: worker_pb2.SamplingParams, detokenize: bool = True) -> S
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty != 0 else 1.0,
-        detokenize=detokenize or bool(s.stop) or s.logprobs,
+        detokenize=detokenize or not text_from_tokens(s),
     )
 
 
@@ -194,22 +197,19 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         # a relayed call (relay/core.py) takes its running messages straight from the engine's
         # hand-over, not through this generator and the interceptors' around it: no task switch
         # and no generator round trip per token on the event loop
-        send = getattr(context, "relay_send_message", None)
-        send_delta = getattr(context, "relay_send_delta", None)
+        relay: RelayStream | None = getattr(context, "relay_stream", None)
         direct = None
-        if send is not None and send_delta is not None:
+        if relay is not None:
             token_text = self.token_text
 
             def direct(out: RequestOutput) -> None:
                 if out.logprobs:  # tokens' texts and bytes come from this worker's tokenizer
-                    msg = stream_message(out, token_text)
-                    if msg is not None:
-                        send(msg)
-                elif out.finish_reason is not None or out.text or out.token_ids:
-                    finish = FINISH[out.finish_reason] if out.finish_reason is not None else 0
-                    send_delta((out.request_id, out.text, out.token_ids, out.index, finish))
+                    if (msg := stream_message(out, token_text)) is not None:
+                        relay.message(msg)
+                elif (delta := stream_delta(out)) is not None:
+                    relay.delta(delta)
 
-        detokenize = not getattr(context, "relay_text_in_front", False)
+        detokenize = relay is None or not relay.text_in_front
         outputs = self._outputs(request, context, "GenerateStream", direct, detokenize)
         async with aclosing(outputs) as outs:
             async for out in outs:

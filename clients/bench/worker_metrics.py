@@ -59,6 +59,10 @@ def scrape_all(urls: Sequence[str]) -> list[dict[Sample, float]]:
     return [scrape(u) for u in urls]
 
 
+def _per_step_ms(seconds: float, steps: int) -> float | None:
+    return round(1e3 * seconds / steps, 3) if steps else None
+
+
 @dataclass(frozen=True)
 class AdapterActivity:
     loads: dict[str, int]  # successful loads by tier: cpu = fetched from the store, gpu = into a slot
@@ -74,9 +78,6 @@ class AdapterActivity:
     device_wait_seconds: float = 0.0  # of which the step thread waited for the device
     device_seconds: float = 0.0  # device time of the timed steps (one in 16, CUDA) ...
     device_steps: int = 0  # ... and their count
-
-    def per_step_ms(self, seconds: float, steps: int) -> float | None:
-        return round(1e3 * seconds / steps, 3) if steps else None
 
     @property
     def store_fetches(self) -> int:
@@ -94,9 +95,9 @@ class AdapterActivity:
             "mean_sequences_per_step": round(self.step_sequences / self.steps, 2) if self.steps else None,
             "mean_load_ms": self.load_ms,
             "store_fetch_origins": self.store_origins,
-            "step_ms": self.per_step_ms(self.step_seconds, self.steps),
-            "device_wait_ms_per_step": self.per_step_ms(self.device_wait_seconds, self.steps),
-            "device_ms_per_step": self.per_step_ms(self.device_seconds, self.device_steps),
+            "step_ms": _per_step_ms(self.step_seconds, self.steps),
+            "device_wait_ms_per_step": _per_step_ms(self.device_wait_seconds, self.steps),
+            "device_ms_per_step": _per_step_ms(self.device_seconds, self.device_steps),
         }
 
 

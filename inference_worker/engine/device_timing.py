@@ -24,7 +24,6 @@ class DeviceTiming:
     def __init__(self, on_cuda: bool) -> None:
         self.enabled = on_cuda
         self._steps = 0
-        self.wait_seconds = 0.0  # waited for the device in all, since the engine started
         # called as each step is read back: observer(seconds waited, device seconds or None)
         self.observer: Callable[[float, float | None], None] | None = None
 
@@ -44,6 +43,5 @@ class DeviceTiming:
         span = None
         if launched.started is not None and launched.copied is not None:
             span = launched.started.elapsed_time(launched.copied) / 1e3
-        self.wait_seconds += launched.waited
         if self.observer is not None:
             self.observer(launched.waited, span)

@@ -34,11 +34,8 @@ class RelayContext:
         self._peer = peer
         self._code: grpc.StatusCode | None = None
         self._details = ""
-        # a response-streaming call's messages straight to the front (set by RelayServer._call):
-        # a response, or a running output's fields for the front to build it from (deltas.py)
-        self.relay_send_message: Callable[[Any], None] | None = None
-        self.relay_send_delta: Callable[[Delta], None] | None = None
-        self.relay_text_in_front = False  # the front makes this stream's text (front_text.py)
+        # a response-streaming call's messages straight to the front (set by RelayServer._call)
+        self.relay_stream: RelayStream | None = None
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
@@ -64,6 +61,27 @@ class RelayContext:
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
         self._code, self._details = code, details
         raise grpc.aio.AbortError()
+
+
+class RelayStream:
+    """What a relayed response-streaming call's handler sends to the front beside the messages
+    it yields: a response, or a running output's fields (deltas.py); nothing once the call's end
+    (or error) is sent."""
+
+    def __init__(
+        self, out: FrameWriter, key: int, serialize: Callable[[Any], bytes], text_in_front: bool
+    ) -> None:
+        self._out, self._key, self._serialize = out, key, serialize
+        self.text_in_front = text_in_front  # the front makes this stream's text (front_text.py)
+        self.open = True
+
+    def message(self, response: Any) -> None:
+        if self.open:
+            self._out.add(("message", self._key, self._serialize(response)))
+
+    def delta(self, delta: Delta) -> None:
+        if self.open:
+            self._out.add(("delta", self._key, delta))
 
 
 class _Registry:
@@ -179,7 +197,6 @@ class RelayServer:
         text_in_front: bool = False,
     ) -> None:
         context = RelayContext(timeout, metadata, peer)
-        context.relay_text_in_front = text_in_front
         try:
             handler = await self._handler(method, metadata) if method in self._methods else None
             if handler is None:
@@ -187,23 +204,13 @@ class RelayServer:
                 return
             message = handler.request_deserializer(request)
             if handler.response_streaming:
-                serialize = handler.response_serializer
-                open_ = [True]
-
-                def send(response: Any) -> None:  # until the call's end (or error) is sent
-                    if open_[0]:
-                        out.add(("message", key, serialize(response)))
-
-                def send_delta(delta: Delta) -> None:
-                    if open_[0]:
-                        out.add(("delta", key, delta))
-
-                context.relay_send_message, context.relay_send_delta = send, send_delta
+                stream = RelayStream(out, key, handler.response_serializer, text_in_front)
+                context.relay_stream = stream
                 try:
                     async for response in handler.unary_stream(message, context):
-                        out.add(("message", key, serialize(response)))
+                        stream.message(response)
                 finally:
-                    open_[0] = False
+                    stream.open = False
                 out.add(("end", key, None))
             else:
                 response = await handler.unary_unary(message, context)

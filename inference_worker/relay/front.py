@@ -48,7 +48,7 @@ def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, Any]]:
     ]
 
 
-def load_tokenizer(text: str) -> Tokenizer | None:
+def tokenizer_from_json(text: str) -> Tokenizer | None:
     """The worker's tokenizer; None (the worker then makes all text) when it does not load here."""
     try:
         return Tokenizer.from_str(text)
@@ -87,7 +87,7 @@ class Link:
             while (ops := await read_frame(reader)) is not None:
                 for op in ops:
                     if op[0] == "tokenizer":
-                        self.tokenizer = load_tokenizer(op[2])
+                        self.tokenizer = tokenizer_from_json(op[2])
                     elif (queue := self.calls.get(op[1])) is not None:
                         queue.put_nowait(op)
         except ConnectionError as exc:

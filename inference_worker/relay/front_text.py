@@ -16,16 +16,21 @@ from loraserve.inference_worker.relay.deltas import Delta, delta_message
 from loraserve.v1 import worker_pb2
 
 
+def text_from_tokens(sampling: worker_pb2.SamplingParams) -> bool:
+    """Whether a stream's text can be made from its tokens alone: no stop strings (those cut the
+    generation where the text matches), no logprobs (their messages carry each token's text,
+    made on the worker)."""
+    return not sampling.stop and not sampling.logprobs
+
+
 def text_in_front(request: bytes) -> bool:
-    """Whether a GenerateStream request's text can be made from its tokens alone: no stop
-    strings (those cut the generation where the text matches), no logprobs (their messages carry
-    each token's text, made on the worker). A request that does not parse is the worker's to
-    refuse."""
+    """Whether the front may make a GenerateStream request's text; a request that does not parse
+    is the worker's to refuse."""
     try:
         parsed = worker_pb2.GenerateRequest.FromString(request)
     except Exception:
         return False
-    return not parsed.sampling.stop and not parsed.sampling.logprobs
+    return text_from_tokens(parsed.sampling)
 
 
 class StreamText:

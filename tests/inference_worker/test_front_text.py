@@ -68,7 +68,7 @@ def test_only_requests_whose_text_is_their_tokens() -> None:
 
 
 def test_a_tokenizer_that_does_not_load_leaves_the_text_to_the_worker(tiny_model_dir, capsys) -> None:
-    from loraserve.inference_worker.relay.front import load_tokenizer as front_tokenizer
+    from loraserve.inference_worker.relay.front import tokenizer_from_json as front_tokenizer
 
     assert front_tokenizer("{not a tokenizer") is None
     assert "did not load" in capsys.readouterr().err

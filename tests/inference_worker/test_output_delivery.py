@@ -62,13 +62,12 @@ class _Frames:
 
 
 def test_a_relayed_stream_sends_direct_messages_until_its_end() -> None:
-    sends = []
+    streams = []
 
     async def behavior(request: bytes, context):  # type: ignore[no-untyped-def]
-        sends.append(context.relay_send_message)
-        sends.append(context.relay_send_delta)
-        context.relay_send_message(b"direct")
-        context.relay_send_delta(("r", "a", [1], 0, 0))
+        streams.append(context.relay_stream)
+        context.relay_stream.message(b"direct")
+        context.relay_stream.delta(("r", "a", [1], 0, 0))
         yield b"yielded"
 
     handler = grpc.unary_stream_rpc_method_handler(
@@ -83,8 +82,9 @@ def test_a_relayed_stream_sends_direct_messages_until_its_end() -> None:
     )
     frames = _Frames()
     asyncio.run(relay._call(frames, 7, "/svc/Stream", b"", None, [], "peer"))  # type: ignore[arg-type]
-    sends[0](b"late")  # outputs that arrive after the call ended: dropped
-    sends[1](("r", "b", [2], 0, 0))
+    streams[0].message(b"late")  # outputs that arrive after the call ended: dropped
+    streams[0].delta(("r", "b", [2], 0, 0))
+    assert not streams[0].text_in_front
     assert frames.ops == [
         ("message", 7, b"direct!"),
         ("delta", 7, ("r", "a", [1], 0, 0)),

@@ -59,7 +59,6 @@ def run(
         assert engine.runner.graphs
     if timings is not None:  # each step read back once, each timed (EVERY = 1)
         assert len(timings) == engine.num_steps
-        assert engine.timing.wait_seconds == pytest.approx(sum(w for w, _ in timings))
     return [[t for o in out for t in o.token_ids] for out in outs]
 
 
