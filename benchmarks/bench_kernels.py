@@ -109,6 +109,7 @@ TABLES = {"all": CONFIGS, "quick": QUICK, "decode-prefill": DECODE_PREFILL}
 SWEEP_VARIANTS: tuple[dict[str, bool], ...] = (
     {"pdl": False},
     {},
+    {"pdl": True, "pdl_shrink": False},
     {"pdl": True, "expand_preload": True},
     {"pdl": True, "expand_preload": False},
 )

@@ -356,6 +356,9 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     variants: dict[str, tuple[LaunchOptions, torch.cuda.Stream | None]] = {"default": (default, None)}
     if dev.type == "cuda" and pdl_supported(dev):
         variants[f"pdl={not default.pdl}"] = (dataclasses.replace(default, pdl=not default.pdl), None)
+        if default.pdl:  # the shrink launched with PDL too, or not
+            flipped = dataclasses.replace(default, pdl_shrink=not default.pdl_shrink)
+            variants[f"pdl_shrink={flipped.pdl_shrink}"] = (flipped, None)
     if side is not None and args.side_stream:
         variants["shrink beside GEMM"] = (default, side)
     for name, (options, stream) in variants.items():

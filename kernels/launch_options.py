@@ -20,6 +20,10 @@ class LaunchOptions:
     # (benchmarks/results/overhead.md, H100: a 64-row decode step of rank-16 LoRA on Llama-3-8B
     # shapes 0.93 vs 1.18 ms with 1 adapter, 1.11 vs 1.39 ms with 8, 3.20 vs 3.44 ms with 64).
     pdl: bool | None = None
+    # Programmatic dependent launch of add_lora's shrink too (with `pdl`): it starts while the
+    # kernel before it (the base projection's GEMM) ends, and waits for it only before storing its
+    # partial sums; its expand then reads y only after its own wait. None: on with `pdl`.
+    pdl_shrink: bool | None = None
     # Load each expand item's first B and y tiles before its s. None: with PDL, for decode rows
     # whose buffer rank keeps the whole B tile under the preload's tile limit (ranks up to 32 in
     # 16-bit types); it halves the tile at rank 64, which measured slower than not preloading.
@@ -34,7 +38,8 @@ class LaunchOptions:
         installed Triton support it (unless overridden off), never where they do not."""
         options = cls(**overrides)  # type: ignore[arg-type]
         supported = pdl_supported(torch.device(device))
-        return dataclasses.replace(options, pdl=supported and options.pdl is not False)
+        pdl = supported and options.pdl is not False
+        return dataclasses.replace(options, pdl=pdl, pdl_shrink=pdl and options.pdl_shrink is not False)
 
 
 def pdl_supported(device: torch.device) -> bool:

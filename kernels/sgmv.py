@@ -123,7 +123,13 @@ def shrink_kernel(  # type: ignore[no-untyped-def]
     IEEE: tl.constexpr,
     I64: tl.constexpr,  # some tensor has 2**31 elements or more: 64-bit offsets
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # let a PDL-launched expand start its prologue now
+    WAIT_PRIOR: tl.constexpr = False,  # itself launched with PDL: wait for the prior kernel to store
 ):
+    # With WAIT_PRIOR this kernel may start while the kernel before it (the base projection's GEMM,
+    # or the previous group's expand) still runs. What it reads (x, A, ranks, work list) was written
+    # before that kernel started; what it writes (the partials) may still be read by it, so every
+    # program waits before its first store, and at its end: the grid completes only after the prior
+    # kernel has, so a kernel that waits for this one (the PDL expand) sees the prior's stores too.
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -171,7 +177,11 @@ def shrink_kernel(  # type: ignore[no-untyped-def]
                 + ((kc * num_slices + sl[None, :]) * num_tokens + rows[:, None]) * max_rank
                 + rr[None, :]
             )
+            if WAIT_PRIOR:
+                tl.extra.cuda.gdc_wait()
             tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    if WAIT_PRIOR:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -213,10 +223,15 @@ def expand_kernel(  # type: ignore[no-untyped-def]
     B_VEC: tl.constexpr = 1,  # elements per B load vector along the rank (1: exact rank mask)
     PRELOAD: tl.constexpr = False,  # SINGLE_R: load an item's first B and y tiles before its s
     WAIT_PRIOR: tl.constexpr = False,  # launched with PDL after the shrink: wait before reading s
+    Y_READY: tl.constexpr = True,  # y was stored before the shrink started (else: read after the wait)
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # let a PDL-launched shrink that follows start now
 ):
-    # With WAIT_PRIOR, everything this kernel reads before gdc_wait (work list, ranks, B, y) was
-    # written before the shrink started (the shrink itself is launched without PDL); only the
-    # shrink's partials need the wait.
+    # With WAIT_PRIOR, everything this kernel reads before gdc_wait (work list, ranks, B and, with
+    # Y_READY, y) was written before the shrink started; only the shrink's partials need the wait.
+    # A shrink launched with PDL itself may start before y's producer (the base GEMM) ends: then y
+    # is read only after the wait, which returns once the shrink, and so that producer, completed.
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_work = tl.load(work_count_ptr)
@@ -261,11 +276,15 @@ def expand_kernel(  # type: ignore[no-untyped-def]
                 r_ok = offs_r < rank
                 s_mask = row_ok[:, None] & r_ok[None, :]
                 ns = n_lo + offs_n
-                y_next = tl.load(y_rows + ns[None, :], mask=row_ok[:, None] & (ns < n_hi)[None, :], other=0.0)
+                y_first_mask = row_ok[:, None] & (ns < n_hi)[None, :]
+                if Y_READY:
+                    y_next = tl.load(y_rows + ns[None, :], mask=y_first_mask, other=0.0)
                 if PRELOAD:
                     bt = load_b(b_slot, ns, offs_r, ns < n_hi, rank, max_rank, B_VEC)
                 if WAIT_PRIOR:
                     tl.extra.cuda.gdc_wait()
+                if not Y_READY:
+                    y_next = tl.load(y_rows + ns[None, :], mask=y_first_mask, other=0.0)
                 st = sum_partials(s_base, part_stride, offs_r, s_mask, split, MAX_SPLIT, True)
                 if not IEEE:
                     st = st.to(b_ptr.dtype.element_ty)
@@ -302,3 +321,7 @@ def expand_kernel(  # type: ignore[no-untyped-def]
                         bt = load_b(b_slot, ns, rs, n_ok, rank, max_rank, B_VEC)
                         acc += mma(st.to(bt.dtype), bt, IEEE)
                     tl.store(y_rows + ns[None, :], (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+    if WAIT_PRIOR:
+        # Every program, also one with no item: the grid completes only after the shrink (and,
+        # through its own waits, the kernel before it), whatever follows relies on that order.
+        tl.extra.cuda.gdc_wait()

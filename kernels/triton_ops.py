@@ -64,7 +64,10 @@ def _launch_shrink(
     plan: ShrinkPlan,
     num_sms: int,
     pdl: bool = False,
+    pdl_self: bool = False,
 ) -> None:
+    """pdl: let a PDL expand start as this begins; pdl_self: this shrink itself launched with PDL
+    (it waits for the kernel before it only before storing)."""
     num_tokens, in_features = x.shape
     _, num_slices, max_rank, _ = lora_a.shape
     work_items = max_work_items(num_tokens, batch.max_loras, plan.block_m) * plan.col_tiles
@@ -92,8 +95,10 @@ def _launch_shrink(
         IEEE=x.dtype == torch.float32,
         I64=_needs_i64(x, lora_a, part),
         LAUNCH_DEPENDENTS=pdl,
+        WAIT_PRIOR=pdl_self,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
+        **({"launch_pdl": True} if pdl_self else {}),
     )
 
 
@@ -109,8 +114,11 @@ def _launch_expand(
     plan: ExpandPlan,
     num_sms: int,
     pdl: bool = False,
+    y_ready: bool = True,
 ) -> None:
-    """pdl: launched right after our own shrink (never after an unknown producer of s or y)."""
+    """pdl: launched right after our own shrink (never after an unknown producer of s or y);
+    y_ready: y was complete when that shrink started (False: the shrink was PDL-launched after
+    y's producer, so y is read after the wait, and a PDL shrink that follows may start early)."""
     num_slices = len(offsets) - 1
     num_tokens, out_features = y.shape
     max_rank = lora_b.shape[2]
@@ -150,6 +158,8 @@ def _launch_expand(
         B_VEC=plan.b_vec,
         PRELOAD=plan.preload,
         WAIT_PRIOR=pdl,
+        Y_READY=y_ready,
+        LAUNCH_DEPENDENTS=not y_ready,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}),
@@ -235,14 +245,17 @@ def add_lora(
     part = workspace[: shrink.max_split * per_split]
     options = options if options is not None else LaunchOptions()
     pdl = options.pdl is not False and pdl_supported(x.device)  # None: on where supported
-    _launch_shrink(x, lora_a, ranks, batch, part, shrink, num_sms, pdl)
+    pdl_shrink = pdl and options.pdl_shrink is not False
+    _launch_shrink(x, lora_a, ranks, batch, part, shrink, num_sms, pdl, pdl_shrink)
     preload = options.expand_preload
     if preload is None:
         preload = pdl and num_tokens < PREFILL_ROWS and preload_keeps_tile(max_rank, y.element_size())
     expand = plan_expand(
         num_tokens, max_rank, y.element_size(), preload=preload, b_vector_loads=options.b_vector_loads
     )
-    _launch_expand(part, shrink, x.shape[1], lora_b, ranks, batch, offsets, y, expand, num_sms, pdl)
+    _launch_expand(
+        part, shrink, x.shape[1], lora_b, ranks, batch, offsets, y, expand, num_sms, pdl, not pdl_shrink
+    )
     return y
 
 

@@ -16,9 +16,13 @@ def test_for_device_takes_pdl_only_where_supported(monkeypatch) -> None:
     assert LaunchOptions().pdl is None  # resolved per device
     assert LaunchOptions.for_device("cpu").pdl is False
     assert LaunchOptions.for_device("cpu", pdl=True).pdl is False
+    assert LaunchOptions.for_device("cpu").pdl_shrink is False
     monkeypatch.setattr(launch_options, "pdl_supported", lambda device: True)
     assert LaunchOptions.for_device("cuda").pdl is True
     assert LaunchOptions.for_device("cuda", pdl=False).pdl is False
+    assert LaunchOptions.for_device("cuda").pdl_shrink is True
+    assert LaunchOptions.for_device("cuda", pdl_shrink=False).pdl_shrink is False
+    assert LaunchOptions.for_device("cuda", pdl=False).pdl_shrink is False
 
 
 @pytest.mark.parametrize(
@@ -64,4 +68,7 @@ def test_add_lora_launches_the_defaults(monkeypatch, num_tokens, max_rank, optio
     (_, _, shrink), (_, _, expand) = launches
     assert shrink["LAUNCH_DEPENDENTS"] is pdl and expand["WAIT_PRIOR"] is pdl
     assert expand.get("launch_pdl", False) is pdl
+    # With PDL the shrink too starts while the base GEMM ends; its expand then reads y after its wait.
+    assert shrink["WAIT_PRIOR"] is pdl and shrink.get("launch_pdl", False) is pdl
+    assert expand["Y_READY"] is not pdl and expand["LAUNCH_DEPENDENTS"] is pdl
     assert expand["PRELOAD"] is preload

@@ -45,29 +45,40 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+# (pdl, pdl_shrink): plain launches; the expand launched with PDL after its shrink; both PDL, the
+# shrink after whatever kernel comes before it.
+PDL_MODES = {"plain": (False, False), "pdl": (True, False), "pdl-shrink": (True, True)}
+
+
+@pytest.mark.parametrize("mode", list(PDL_MODES))
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-S{s[1]}-r{s[4]}-{TYPES[s[5]]}" for s in SHAPES])
-def test_launched_variants_compile_for_hopper(monkeypatch, shape, pdl) -> None:
+def test_launched_variants_compile_for_hopper(monkeypatch, shape, mode) -> None:
+    pdl, pdl_shrink = PDL_MODES[mode]
     num_tokens, num_slices, din, width, max_rank, dtype = shape
     launches = record_launches(monkeypatch, triton_ops, "shrink_kernel", "expand_kernel")
     monkeypatch.setattr(triton_ops, "pdl_supported", lambda device: True)  # no GPU here: sm_90 assumed
     y, x, lora_a, lora_b, ranks, offsets = _group(num_tokens, num_slices, din, width, max_rank, dtype)
     batch = LoRABatch.allocate(num_tokens, 4, "cpu", max_slices=num_slices, max_rank=max_rank)
     batch.prepare(torch.zeros(num_tokens, dtype=torch.int32))
-    triton_ops.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, options=LaunchOptions(pdl=pdl))
+    options = LaunchOptions(pdl=pdl, pdl_shrink=pdl_shrink)
+    triton_ops.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, options=options)
     if not pdl:  # the standalone ops (never PDL)
         s = torch.zeros(num_slices, num_tokens, max_rank, dtype=torch.float32)
         triton_ops.lora_shrink(x, lora_a, ranks, batch, s)
         triton_ops.lora_expand(s, lora_b, ranks, batch, offsets, y)
     assert len(launches) == (2 if pdl else 4)
     for kernel, args, kwargs in launches:
-        assert kwargs.get("launch_pdl", False) == (pdl and kernel is triton_ops.expand_kernel.kernel)
+        is_expand = kernel is triton_ops.expand_kernel.kernel
+        waits = pdl and is_expand or pdl_shrink and not is_expand  # launched with PDL: waits
+        triggers = pdl and not is_expand or pdl_shrink and is_expand  # lets a PDL successor start
+        assert kwargs.get("launch_pdl", False) == waits
         compiled = compile_launch(kernel, args, kwargs)
         ptx = compiled.asm["ptx"]
         use = resources(compiled.asm["cubin"])
         # A spilling variant is a silent slowdown that only a GPU would show.
         assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, kwargs, use)
-        assert ("griddepcontrol.wait" in ptx) == (pdl and kernel is triton_ops.expand_kernel.kernel)
+        assert ("griddepcontrol.wait" in ptx) == waits
+        assert ("griddepcontrol.launch_dependents" in ptx) == triggers
         # The streamed operands go through cp.async (software-pipelined): x and A in the shrink;
         # B in the decode expand without preloading, which needs vector-wide rank masks (B_VEC > 1).
         streams_b = kwargs.get("B_VEC", 1) > 1 and kwargs["BLOCK_M"] == 16 and not kwargs["PRELOAD"]

@@ -21,14 +21,19 @@ def test_triton_matches_float64_on_gpu(case, dtype) -> None:
     assert run_case(case, dtype, "cuda", None) == []
 
 
-@pytest.fixture(params=[True, False], ids=["pdl", "no-pdl"])
+PDL_MODES = {"pdl-shrink": (True, True), "pdl": (True, False), "no-pdl": (False, False)}
+
+
+@pytest.fixture(params=list(PDL_MODES))
 def options(request) -> LaunchOptions:
-    """add_lora with and without programmatic dependent launch of its expand."""
+    """add_lora with programmatic dependent launch of its shrink and expand, of its expand only,
+    and without."""
     from loraserve.kernels import triton_ops
 
-    if request.param and not triton_ops.pdl_supported(torch.device("cuda", torch.cuda.current_device())):
+    pdl, pdl_shrink = PDL_MODES[request.param]
+    if pdl and not triton_ops.pdl_supported(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("programmatic dependent launch needs compute capability 9.0+ and a Triton that has it")
-    return LaunchOptions(pdl=request.param)
+    return LaunchOptions(pdl=pdl, pdl_shrink=pdl_shrink)
 
 
 def _delta64(x, lora_a, lora_b, ranks: list[int], slots: torch.Tensor, offsets: list[int]) -> torch.Tensor:
@@ -171,3 +176,51 @@ def test_triton_prepare_matches_torch_ops(num_loras, num_tokens) -> None:
             assert torch.equal(getattr(work, field)[:n], getattr(got.work[m], field)[:n])
         bound = max_work_items(num_tokens, num_loras, m)  # slot -1 up to the bound the kernels launch
         assert torch.equal(work.slot[:bound], got.work[m].slot[:bound])
+
+
+@pytest.mark.parametrize("graphed", [True, False], ids=["graph", "eager"])
+@pytest.mark.parametrize("num_tokens", [64, 600])
+def test_lora_right_after_the_base_gemm(num_tokens, graphed, options) -> None:
+    """Layers as the model runs them: the base GEMM writes y, add_lora adds into it at once, the next
+    layer reads it. y starts as NaN each time, so a kernel that read y before the GEMM stored it (a
+    PDL launch waiting too late) shows; float32, so the chain can be checked against float64."""
+    torch.manual_seed(num_tokens)
+    num_loras, dim, num_layers = 8, 1024, 6
+    ranks = [16, 8, 64, 16, 1, 32, 0, 64]
+    layers = [_group(num_loras, [dim], dim, 64, ranks, torch.float32) for _ in range(num_layers)]
+    weights = [torch.randn(dim, dim, device="cuda").mul_(dim**-0.5) for _ in range(num_layers)]
+    batch = LoRABatch.allocate(num_tokens, num_loras, "cuda", max_slices=1, max_rank=64)
+    slots = torch.randint(-1, num_loras, (num_tokens,), dtype=torch.int32, device="cuda")
+    x = torch.randn(num_tokens, dim, device="cuda")
+    ys = [torch.full((num_tokens, dim), float("nan"), device="cuda") for _ in range(num_layers)]
+
+    def forward() -> None:
+        batch.prepare(slots)
+        h = x
+        for (lora_a, lora_b, rank_t, offsets), w, y in zip(layers, weights, ys, strict=True):
+            torch.mm(h, w.T, out=y)
+            add_lora(y, h, lora_a, lora_b, rank_t, batch, offsets, options=options)
+            h = y
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()  # compiles the kernels outside any capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    if graphed:
+        with torch.cuda.graph(graph):
+            forward()
+    for _ in range(3):
+        slots.copy_(torch.randint(-1, num_loras, (num_tokens,), dtype=torch.int32))
+        x.copy_(torch.randn_like(x))
+        for y in ys:
+            y.fill_(float("nan"))
+        graph.replay() if graphed else forward()
+        torch.cuda.synchronize()
+        h = x.double()
+        for (lora_a, lora_b, _, offsets), w, y in zip(layers, weights, ys, strict=True):
+            h = h @ w.double().T + _delta64(h, lora_a, lora_b, ranks, slots, offsets)
+            assert torch.isfinite(y).all()
+            err = (y.double() - h).norm() / h.norm()
+            assert err < 1e-4, float(err)
