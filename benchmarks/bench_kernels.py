@@ -109,7 +109,7 @@ TABLES = {"all": CONFIGS, "quick": QUICK, "decode-prefill": DECODE_PREFILL}
 SWEEP_VARIANTS: tuple[dict[str, bool], ...] = (
     {"pdl": False},
     {},
-    {"pdl": True, "pdl_shrink": False},
+    {"pdl": True, "pdl_shrink": True},
     {"pdl": True, "expand_preload": True},
     {"pdl": True, "expand_preload": False},
 )
@@ -202,9 +202,12 @@ class Model:
 
     def step(self, num_layers: int = NUM_LAYERS, backend: str | None = None) -> None:
         self.batch.prepare(self.slots)
+        # a PDL shrink must not follow the kernel that wrote its work list (LaunchOptions.pdl_shrink)
+        options = dataclasses.replace(self.options, pdl_shrink=False)
         for layer in self.layers[:num_layers]:
             for (a, b), x, y, offsets in zip(layer, self.xs, self.ys, self.offsets, strict=True):
-                add_lora(y, x, a, b, self.rank_t, self.batch, offsets, backend=backend, options=self.options)
+                add_lora(y, x, a, b, self.rank_t, self.batch, offsets, backend=backend, options=options)
+                options = self.options
 
     def floor_bytes(self) -> tuple[float, float]:
         elem = torch.finfo(DTYPE).bits // 8

@@ -40,7 +40,7 @@ from loraserve.inference_worker.builder import build_adapters
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.sequence import SamplingParams
-from loraserve.inference_worker.lora.layer import LoRALayer
+from loraserve.inference_worker.lora.layer import LoRALayer, worker_launch_options
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.model.llama import LlamaModel
@@ -340,7 +340,7 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     r: dict = {"adapter_mb": payloads[0].nbytes / 1e6}
     vocab = cfg["vocab_size"]
     tokenizer = word_tokenizer(vocab)  # random weights have no vocabulary: token i is the word w{i}
-    default = LaunchOptions.for_device(dev)
+    default = worker_launch_options(dev)
     r["default_options"] = dataclasses.asdict(default)
 
     # correctness: graph replays with LoRA == eager steps with LoRA; adapters change the output.

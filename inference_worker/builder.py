@@ -25,12 +25,12 @@ from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.coordination import Coordinator, InProcessCoordinator
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.model_runner import kv_bytes_per_block
+from loraserve.inference_worker.lora.layer import worker_launch_options
 from loraserve.inference_worker.lora.slots import LoRASlots
 from loraserve.inference_worker.model.chat_template import ChatTemplate
 from loraserve.inference_worker.model.config import ModelConfigError
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.inference_worker.model.loader import load_model, load_tokenizer
-from loraserve.kernels import LaunchOptions
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -193,11 +193,11 @@ def build_adapters(
         address=config.advertise_address or _default_address(config.host, config.port),
     )
     if tp is None:
-        adapters.attach_to(model, LaunchOptions.for_device(model.device))
+        adapters.attach_to(model, worker_launch_options(model.device))
     else:
         from loraserve.inference_worker.lora.row_parallel import attach_sharded_lora
 
-        attach_sharded_lora(model, slots, tp.all_reduce, LaunchOptions.for_device(model.device))
+        attach_sharded_lora(model, slots, tp.all_reduce, worker_launch_options(model.device))
     return adapters
 
 

@@ -88,7 +88,8 @@ def add_lora(
     """Semantics: y[t, o_i:o_{i+1}] += (x[t] @ A[slot[t], i, :r].T) @ B[slot[t], o_i:o_{i+1}, :r].T.
 
     Shrink then expand; the intermediate lives in `buffer` (or the batch's workspace), so nothing is
-    allocated. Returns y."""
+    allocated. With `options.pdl_shrink`, the inputs other than y must have been complete before the
+    kernel queued right before this call started (LaunchOptions). Returns y."""
     impl = _backend(x, backend)
     _, num_slices, _, offsets = check_add_lora(y, x, lora_a, lora_b, ranks, batch, slice_offsets)
     if impl is not reference:

@@ -245,7 +245,7 @@ def add_lora(
     part = workspace[: shrink.max_split * per_split]
     options = options if options is not None else LaunchOptions()
     pdl = options.pdl is not False and pdl_supported(x.device)  # None: on where supported
-    pdl_shrink = pdl and options.pdl_shrink is not False
+    pdl_shrink = pdl and options.pdl_shrink
     _launch_shrink(x, lora_a, ranks, batch, part, shrink, num_sms, pdl, pdl_shrink)
     preload = options.expand_preload
     if preload is None:

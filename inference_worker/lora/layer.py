@@ -19,6 +19,13 @@ from loraserve import kernels
 from loraserve.inference_worker.lora.slots import LoRASlots
 
 
+def worker_launch_options(device: torch.device | str) -> kernels.LaunchOptions:
+    """The worker's launch options: the defaults for `device`, and the shrink launched with PDL
+    too. A LoRALayer's add_lora always follows its base projection's GEMM, which reads x, while
+    the slots and the step's LoRABatch were written before: LaunchOptions.pdl_shrink's contract."""
+    return kernels.LaunchOptions.for_device(device, pdl_shrink=True)
+
+
 class LoRALayer:
     def __init__(
         self,

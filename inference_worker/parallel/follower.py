@@ -17,6 +17,7 @@ import torch
 from loraserve.inference_worker.builder import engine_config_for, resolve_device
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.model_runner import ModelRunner
+from loraserve.inference_worker.lora.layer import worker_launch_options
 from loraserve.inference_worker.lora.row_parallel import attach_sharded_lora
 from loraserve.inference_worker.lora.slots import LoRASlots
 from loraserve.inference_worker.model.llama import LlamaModel
@@ -24,7 +25,7 @@ from loraserve.inference_worker.model.loader import load_model
 from loraserve.inference_worker.parallel.group import TensorParallelGroup
 from loraserve.inference_worker.parallel.launcher import LEADER_PID, join_as_follower
 from loraserve.inference_worker.parallel.step_channel import Kind, StepChannel
-from loraserve.kernels import LaunchOptions, LoRABatch
+from loraserve.kernels import LoRABatch
 from loraserve.serving.logs import configure_logging
 
 log = logging.getLogger("loraserve.worker")
@@ -55,7 +56,7 @@ def build_runner(
         slots = LoRASlots(
             model.config.raw, config.max_loras, config.max_lora_rank, dtype, tp.device, tp.shard
         )
-        attach_sharded_lora(model, slots, tp.all_reduce, LaunchOptions.for_device(tp.device))
+        attach_sharded_lora(model, slots, tp.all_reduce, worker_launch_options(tp.device))
         lora = FollowerLoRA(slots, max(config.max_num_batched_tokens, config.max_num_seqs))
     ec = engine_config_for(config, model)
     num_blocks = tp.min_over_ranks(ec.num_blocks)

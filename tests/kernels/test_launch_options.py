@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from loraserve.inference_worker.lora.layer import worker_launch_options
 from loraserve.kernels import LaunchOptions, LoRABatch, launch_options, launch_plan, triton_ops
 from tests.helpers.triton_compile import record_launches
 
@@ -16,13 +17,16 @@ def test_for_device_takes_pdl_only_where_supported(monkeypatch) -> None:
     assert LaunchOptions().pdl is None  # resolved per device
     assert LaunchOptions.for_device("cpu").pdl is False
     assert LaunchOptions.for_device("cpu", pdl=True).pdl is False
-    assert LaunchOptions.for_device("cpu").pdl_shrink is False
+    assert LaunchOptions.for_device("cpu", pdl_shrink=True).pdl_shrink is False
+    assert worker_launch_options("cpu").pdl_shrink is False
     monkeypatch.setattr(launch_options, "pdl_supported", lambda device: True)
     assert LaunchOptions.for_device("cuda").pdl is True
     assert LaunchOptions.for_device("cuda", pdl=False).pdl is False
-    assert LaunchOptions.for_device("cuda").pdl_shrink is True
-    assert LaunchOptions.for_device("cuda", pdl_shrink=False).pdl_shrink is False
-    assert LaunchOptions.for_device("cuda", pdl=False).pdl_shrink is False
+    # the shrink's PDL has a contract on add_lora's inputs: only callers that keep it ask for it
+    assert LaunchOptions.for_device("cuda").pdl_shrink is False
+    assert LaunchOptions.for_device("cuda", pdl_shrink=True).pdl_shrink is True
+    assert LaunchOptions.for_device("cuda", pdl=False, pdl_shrink=True).pdl_shrink is False
+    assert worker_launch_options("cuda").pdl_shrink is True  # its LoRA always follows a GEMM
 
 
 @pytest.mark.parametrize(
@@ -52,6 +56,7 @@ def test_preload_keeps_tile(max_rank: int, dtype: torch.dtype, keeps: bool) -> N
         (2048, 16, LaunchOptions(), True, False),  # prefill rows: no preload
         (64, 16, LaunchOptions(pdl=False), False, False),
         (64, 64, LaunchOptions(expand_preload=True), True, True),  # explicit choices stand
+        (64, 16, LaunchOptions(pdl_shrink=True), True, True),  # the shrink launched with PDL too
     ],
 )
 def test_add_lora_launches_the_defaults(monkeypatch, num_tokens, max_rank, options, pdl, preload) -> None:
@@ -68,7 +73,8 @@ def test_add_lora_launches_the_defaults(monkeypatch, num_tokens, max_rank, optio
     (_, _, shrink), (_, _, expand) = launches
     assert shrink["LAUNCH_DEPENDENTS"] is pdl and expand["WAIT_PRIOR"] is pdl
     assert expand.get("launch_pdl", False) is pdl
-    # With PDL the shrink too starts while the base GEMM ends; its expand then reads y after its wait.
-    assert shrink["WAIT_PRIOR"] is pdl and shrink.get("launch_pdl", False) is pdl
-    assert expand["Y_READY"] is not pdl and expand["LAUNCH_DEPENDENTS"] is pdl
+    # the shrink launched with PDL too (asked for): its expand then reads y after its wait
+    pdl_shrink = pdl and options.pdl_shrink
+    assert shrink["WAIT_PRIOR"] is pdl_shrink and shrink.get("launch_pdl", False) is pdl_shrink
+    assert expand["Y_READY"] is not pdl_shrink and expand["LAUNCH_DEPENDENTS"] is pdl_shrink
     assert expand["PRELOAD"] is preload

@@ -36,6 +36,13 @@ def options(request) -> LaunchOptions:
     return LaunchOptions(pdl=pdl, pdl_shrink=pdl_shrink)
 
 
+def prepare_apart(batch: LoRABatch, slots: torch.Tensor) -> None:
+    """batch.prepare, then a kernel of its own: add_lora's PDL shrink must not directly follow the
+    kernel that wrote its work list (LaunchOptions.pdl_shrink), as it never does in the model."""
+    batch.prepare(slots)
+    torch.zeros(1, device=slots.device)
+
+
 def _delta64(x, lora_a, lora_b, ranks: list[int], slots: torch.Tensor, offsets: list[int]) -> torch.Tensor:
     """float64 formula on the GPU, one slot at a time."""
     delta = torch.zeros(x.shape[0], lora_b.shape[1], dtype=torch.float64, device=x.device)
@@ -100,12 +107,12 @@ def test_prepare_and_ops_never_synchronize(options) -> None:
         slots = torch.randint(-1, 8, (num_tokens,), dtype=torch.int32, device="cuda")
         x = torch.randn(num_tokens, 256, device="cuda", dtype=torch.float16)
         y = torch.randn(num_tokens, 160, device="cuda", dtype=torch.float16)
-        batch.prepare(slots)
+        prepare_apart(batch, slots)
         add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, options=options)  # compile outside the check
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            batch.prepare(slots)
+            prepare_apart(batch, slots)
             add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, options=options)
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -124,7 +131,7 @@ def test_cuda_graph_replays_with_new_slot_assignments(num_tokens, options) -> No
     ys = [torch.zeros(num_tokens, off[-1], device="cuda", dtype=torch.bfloat16) for _, _, _, off in groups]
 
     def step() -> None:
-        batch.prepare(slots)
+        prepare_apart(batch, slots)
         for (lora_a, lora_b, rank_t, offsets), y in zip(groups, ys, strict=True):
             add_lora(y, x, lora_a, lora_b, rank_t, batch, offsets, options=options)
 
