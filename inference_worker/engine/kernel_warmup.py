@@ -114,7 +114,9 @@ def warm_up_lora_path(runner: ModelRunner, max_tokens: int) -> int:
             for g, lin in firsts.items():
                 x, y = bufs[g][0][:t], bufs[g][1][:t]
                 assert lin.lora is not None
-                lin.lora.finish(x, y, lora, lin.lora.begin(x, lora))
+                begun = lin.lora.begin(x, lora)
+                y.zero_()  # stands for the base GEMM: add_lora never directly follows the prepare
+                lin.lora.finish(x, y, lora, begun)
                 launches += 1
     return launches
 

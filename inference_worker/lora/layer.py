@@ -59,7 +59,9 @@ class LoRALayer:
         return s
 
     def finish(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch, begun: object) -> None:
-        # x: [T, in], y: [T, N] (added to in place); begun: what `begin` returned
+        # x: [T, in], y: [T, N] (added to in place); begun: what `begin` returned. With the
+        # worker's options (worker_launch_options) the kernel queued right before this call may
+        # write y but not x, the slots or the batch: in the model it is the base GEMM.
         if isinstance(begun, torch.Tensor) and self.side_stream is not None:
             torch.cuda.current_stream(y.device).wait_stream(self.side_stream)
             kernels.lora_expand(begun, self.lora_b, self.ranks, lora, self.slice_offsets, y)
