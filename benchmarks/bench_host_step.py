@@ -7,6 +7,7 @@ and what is left is the step's Python. On a GPU this work overlaps the device's 
 scheduling) only while it is shorter: at Llama-3.2-1B batch 256 it was not (overhead.md).
 
     python benchmarks/bench_host_step.py [--batch 256] [--steps 200] [--profile 25] [--text-in-front]
+    python benchmarks/bench_host_step.py --plan [--batch 64]   (planning a step alone)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.model_runner import ModelRunner
+from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import SamplingParams
 from loraserve.inference_worker.engine.step_plan import StepPlan
 from loraserve.inference_worker.model.config import ModelConfig
@@ -100,6 +102,40 @@ def per_step(engine: LLMEngine, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def plan_times(batch: int, reps: int = 300, rounds: int = 5) -> None:
+    """ModelRunner.plan alone, median of `rounds` (us a call): a decode step of `batch` sequences
+    (prompt 256, 40 tokens out), and a step with two 256-token prefill chunks beside batch - 2."""
+    engine = make_engine(batch, 1024)
+    seqs = []
+    for i in range(batch + 2):
+        prompt = [(i * 7 + j) % (VOCAB - 1) for j in range(256)]
+        seq = engine.make_sequence(f"r{i}", "", prompt, SamplingParams(max_tokens=64), lambda out: None)
+        engine.blocks.allocate(seq, 256 + 40)
+        seqs.append(seq)
+    decodes, prefills = seqs[:batch], seqs[batch:]
+    for seq in decodes:
+        seq.output_token_ids.extend(range(40))
+        seq.num_computed_tokens = 256 + 39
+    cases = {
+        f"decode step, {batch} sequences": (ScheduledBatch(decodes=decodes), batch, None),
+        f"two 256-token prefill chunks and {batch - 2} decodes": (
+            ScheduledBatch(prefills=[(s, 256) for s in prefills], decodes=decodes[:-2]),
+            None,
+            512 + batch,
+        ),
+    }
+    for label, (sched, pad_to, mixed) in cases.items():
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                engine.runner.plan(sched, pad_to, mixed)
+            times.append((time.perf_counter() - t0) / reps * 1e6)
+        print(
+            f"plan, {label}: {statistics.median(times):.1f} us (min {min(times):.1f}, max {max(times):.1f})"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
@@ -111,7 +147,11 @@ def main() -> None:
         action="store_true",
         help="sequences with tokens only (the relay's front makes the text)",
     )
+    p.add_argument("--plan", action="store_true", help="time ModelRunner.plan alone, then stop")
     a = p.parse_args()
+    if a.plan:
+        plan_times(a.batch)
+        return
     max_len = PROMPT_LEN + (2 * a.rounds + 1) * a.steps + 16
     engine = make_engine(a.batch, max_len)
     g = torch.Generator().manual_seed(1)

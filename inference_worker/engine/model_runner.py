@@ -37,6 +37,20 @@ def _host_tensor(code: str, values: list[int], dtype: torch.dtype) -> torch.Tens
     return torch.frombuffer(array.array(code, values), dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
+def cache_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The KV cache slots of positions [start, end) of a sequence with block table `table`:
+    table[p // block_size] * block_size + p % block_size, a run of consecutive slots per block."""
+    out: list[int] = []
+    p = start
+    while p < end:
+        block, offset = divmod(p, block_size)
+        take = min(block_size - offset, end - p)
+        first = table[block] * block_size + offset
+        out += range(first, first + take)
+        p += take
+    return out
+
+
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     cfg = model.config  # model.num_kv_heads: this process's share under tensor parallelism
     return 2 * cfg.num_layers * block_size * model.num_kv_heads * cfg.head_dim * model.dtype.itemsize
@@ -101,10 +115,9 @@ class ModelRunner:
 
         for seq, n in sched.prefills:
             start, table = seq.num_computed_tokens, seq.block_table
-            for p in range(start, start + n):
-                ids.append(seq.token_at(p))
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
+            ids += seq.tokens_between(start, start + n)
+            pos += range(start, start + n)
+            slots += cache_slots(table, start, start + n, bs)
             token_slots.extend([seq.lora_slot] * n)
             query_start.append(len(ids))
             ctx_lens.append(start + n)

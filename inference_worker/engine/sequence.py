@@ -156,6 +156,15 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """[token_at(i) for i in range(start, end)], by slices."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to run through the model: 1 while decoding, more while (re)prefilling
