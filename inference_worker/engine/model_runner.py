@@ -21,6 +21,7 @@ from loraserve.inference_worker.engine.cuda_graphs import StepGraphs, mixed_segm
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import Sequence
 from loraserve.inference_worker.engine.step_plan import LoRABatchSource, StepPlan
+from loraserve.inference_worker.engine.table_rows import TableRows
 from loraserve.inference_worker.engine.transfer import StepInputs, to_device
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.llama import LlamaModel
@@ -92,6 +93,7 @@ class ModelRunner:
         # on CUDA, steps with prefill chunks run their decode rows as one-token prefill segments
         self.unified = self.device.type == "cuda" and not self.sharded
         self._inputs = StepInputs(self.device)  # the step's host tensors to the device, one copy
+        self._table_rows = TableRows()  # the block tables' int32 rows, kept from step to step
         self._graphs = StepGraphs(model, adapters, self.max_blocks_per_seq, max_num_seqs)
         # captured once, by capture_graphs() when the engine starts; until then steps run eagerly
         self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
@@ -108,6 +110,7 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         query_start, ctx_lens, tables, seq_slots, token_slots = [0], [], [], [], []
+        table_keys: list[int | None] = []  # each table's sequence (None: a padding row's)
         logits_idx: list[int] = []
         sample_seqs: list[Sequence] = []
         gather_dst: list[int] = []  # decode rows whose input is the previous step's sampled token
@@ -122,6 +125,7 @@ class ModelRunner:
             query_start.append(len(ids))
             ctx_lens.append(start + n)
             tables.append(table)
+            table_keys.append(seq.seq_id)
             seq_slots.append(seq.lora_slot)
             if start + n == seq.num_tokens:  # the chunk reaches the end: next-token logits needed
                 logits_idx.append(len(ids) - 1)
@@ -147,6 +151,7 @@ class ModelRunner:
         query_start += range(first + 1, end + 1)
         ctx_lens += [p + 1 for p in d_pos]
         tables += d_tables
+        table_keys += [seq.seq_id for seq in decodes]
         sample_seqs.extend(decodes)
         num_sampled = len(logits_idx)
         n_real = len(query_start) - 1
@@ -161,6 +166,7 @@ class ModelRunner:
             slots += [0] * extra
             ctx_lens += [1] * extra
             tables += [[0]] * extra
+            table_keys += [None] * extra
             token_slots += [-1] * extra
             logits_idx += range(len(logits_idx), pad_to)
         elif mixed:  # tokens in no segment and segments of no tokens, on the reserved block 0
@@ -173,18 +179,15 @@ class ModelRunner:
             query_start += [query_start[-1]] * segs
             ctx_lens += [1] * segs
             tables += [[0]] * segs
+            table_keys += [None] * segs
             logits_idx += [0] * (n_segs - len(logits_idx))  # one row a segment at the most
             n_pre, num_prefill_tokens = n_pre + segs, mixed
         n_tok, n_seq, n_log = len(ids), len(ctx_lens), len(logits_idx)
         # two host buffers, one copy each: int64 [ids | pos | slots | logits_idx],
         # int32 [ctx | slots | prefill query starts | tables]
         h64 = _host_tensor("q", ids + pos + slots + logits_idx, torch.int64)
-        flat = ctx_lens + token_slots + query_start[: n_pre + 1]
-        zeros = [0] * width
-        for t in tables:
-            flat += t
-            flat += zeros[: width - len(t)]
-        h32 = _host_tensor("i", flat, torch.int32)
+        head = ctx_lens + token_slots + query_start[: n_pre + 1]
+        h32 = torch.frombuffer(self._table_rows.pack(head, table_keys, tables, width), dtype=torch.int32)
         plan = StepPlan(
             h64=h64,
             h32=h32,

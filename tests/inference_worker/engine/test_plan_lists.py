@@ -1,5 +1,5 @@
-"""The step plan's per-token lists built by slices and runs (model_runner.cache_slots,
-Sequence.tokens_between) equal their one-position-at-a-time definitions."""
+"""The step plan's lists built by slices, runs and kept rows (model_runner.cache_slots,
+Sequence.tokens_between, table_rows.TableRows) equal their one-at-a-time definitions."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import random
 
 from loraserve.inference_worker.engine.model_runner import cache_slots
 from loraserve.inference_worker.engine.sequence import SamplingParams, Sequence
+from loraserve.inference_worker.engine.table_rows import TableRows
 from loraserve.inference_worker.engine.text_stream import NO_TEXT
 
 
@@ -30,3 +31,36 @@ def test_tokens_between_matches_token_at() -> None:
         start = rng.randrange(0, total + 1)
         end = rng.randrange(start, total + 1)
         assert seq.tokens_between(start, end) == [seq.token_at(i) for i in range(start, end)]
+
+
+def _flat(head: list[int], tables: list[list[int]], width: int) -> list[int]:
+    out = list(head)
+    for t in tables:
+        out += t + [0] * (width - len(t))
+    return out
+
+
+def test_table_rows_follow_tables_that_grow_or_are_replaced() -> None:
+    """Over random steps (tables grown in place, replaced by new lists, sequences leaving and
+    coming back, padding rows) the packed buffer always equals the tables flattened anew."""
+    rng = random.Random(2)
+    rows = TableRows()
+    tables: dict[int, list[int]] = {k: [] for k in range(12)}
+    for _ in range(400):
+        for key, table in tables.items():
+            what = rng.random()
+            if what < 0.3:
+                table.extend(rng.randrange(1, 10_000) for _ in range(rng.randrange(1, 4)))
+            elif what < 0.35:  # freed or preempted: a new list, maybe refilled
+                tables[key] = [rng.randrange(1, 10_000) for _ in range(rng.randrange(0, 5))]
+            elif what < 0.38:  # forked: a copy of a prefix, then its own block
+                parent = tables[rng.randrange(12)]
+                tables[key] = parent[: rng.randrange(0, len(parent) + 1)] + [rng.randrange(1, 10_000)]
+        step = [k for k in tables if tables[k] and rng.random() < 0.8]
+        keys: list[int | None] = [*step, *([None] * rng.randrange(0, 3))]
+        step_tables = [tables[k] if k is not None else [0] for k in keys]
+        if not step_tables:
+            continue
+        width = max(len(t) for t in step_tables)
+        head = [rng.randrange(0, 100) for _ in range(rng.randrange(1, 6))]
+        assert rows.pack(head, keys, step_tables, width).tolist() == _flat(head, step_tables, width)
