@@ -148,8 +148,8 @@ def activity(
     def exact(name: str) -> float:
         return sum(a.get((name, ()), 0.0) - b.get((name, ()), 0.0) for b, a in pairs)
 
-    def delta(name: str) -> int:
-        return sum(round(a.get((name, ()), 0.0) - b.get((name, ()), 0.0)) for b, a in pairs)
+    def delta(name: str) -> int:  # a count
+        return round(exact(name))
 
     loads_n = _sum([_by_label(b, a, LOAD_SECONDS + "_count", "tier") for b, a in pairs])
     loads_s = _sum_float([_by_label(b, a, LOAD_SECONDS + "_sum", "tier", exact=True) for b, a in pairs])

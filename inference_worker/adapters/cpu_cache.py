@@ -4,7 +4,7 @@ budget, least recently used first out."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from loraserve.inference_worker.lora.payload import AdapterPayload
 
@@ -52,21 +52,23 @@ class CpuCache:
         evicted: list[str] = []
         if self._within_budgets():
             return evicted
-        kept: list[str] = []  # in LRU order, evicted only once nothing else is left
-        for key in list(self._entries):  # LRU first; usually one entry goes
-            if keep is not None and keep(key):
-                kept.append(key)
-                continue
-            self.remove(key)
-            evicted.append(key)
-            if self._within_budgets():
-                return evicted
-        for key in kept:
+        for key in self._eviction_order(keep):  # usually one entry goes
             self.remove(key)
             evicted.append(key)
             if self._within_budgets():
                 break
         return evicted
+
+    def _eviction_order(self, keep: Callable[[str], bool] | None) -> Iterator[str]:
+        """LRU first, the kept ones (in LRU order) once nothing else is left; lazily, so a put
+        that evicts one entry asks `keep` about a few at the LRU end, not about every entry."""
+        kept: list[str] = []
+        for key in list(self._entries):
+            if keep is not None and keep(key):
+                kept.append(key)
+            else:
+                yield key
+        yield from kept
 
     def _within_budgets(self) -> bool:
         return len(self._entries) <= self.max_adapters and self.nbytes <= self.max_bytes
