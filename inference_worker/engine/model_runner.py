@@ -29,8 +29,11 @@ from loraserve.inference_worker.model.llama import LlamaModel
 log = logging.getLogger(__name__)
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# token counts of the graphs for steps with prefill chunks (capped by the step's token budget)
-MIXED_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048)
+# token counts of the graphs for steps with prefill chunks (capped by the step's token budget).
+# A step replays the smallest that holds it and its padding rows go through every GEMM: past ~256
+# tokens a 1B step's time grows with its rows (benchmarks/bench_step_tokens.py), so the counts are
+# 64 apart up to 512 and 128 / 256 apart above, each faster than the next on an H100
+MIXED_GRAPH_TOKENS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
 
 def _host_tensor(code: str, values: list[int], dtype: torch.dtype) -> torch.Tensor:
