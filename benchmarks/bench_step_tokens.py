@@ -53,6 +53,32 @@ def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 20) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def kernel_table(graph: torch.cuda.CUDAGraph, title: str, replays: int = 20) -> list[dict]:
+    """GPU time per kernel name of one replay (a profile over `replays`), largest first; printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+        if (
+            us > 0 and e.count and str(getattr(e, "device_type", "")).endswith("CUDA")
+        ):  # kernels, not host ops
+            rows.append(
+                {"kernel": e.key[:90], "us_per_step": us / replays, "calls_per_step": e.count / replays}
+            )
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"\n{title}: {total:.0f} us of kernels a replay")
+    print("| kernel | us a step | calls a step |\n| --- | ---: | ---: |")
+    for r in rows[:18]:
+        print(f"| {r['kernel'][:70]} | {r['us_per_step']:.1f} | {r['calls_per_step']:.0f} |")
+    return rows
+
+
 def step_stream(decodes: int, rate: float, lens: tuple[int, int], steps: int, budget: int) -> list[int]:
     """Token counts of a stream of steps: `decodes` decode rows plus Poisson(rate) prompts each."""
     rng = random.Random(0)
@@ -76,6 +102,11 @@ def main() -> int:
     ap.add_argument("--prompts-per-step", type=float, default=0.73)
     ap.add_argument("--prompt-len", default="64,256")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="token counts (e.g. decode,256) whose graphs get a per-kernel GPU time table",
+    )
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     dev = torch.device("cuda")
@@ -147,6 +178,9 @@ def main() -> int:
         },
         "stream_cost": rows,
     }
+    for name in filter(None, args.profile.split(",")):
+        graph = decode[dbucket] if name == "decode" else mixed[int(name)]
+        out.setdefault("kernels", {})[name] = kernel_table(graph, f"{args.model}, {name} graph")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"\n{gpu}, {args.model}, {len(measured)} mixed graphs captured in {capture_s:.1f} s")
