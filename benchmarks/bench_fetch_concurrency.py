@@ -46,6 +46,24 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of `pid` (utime + stime)."""
+    out = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def busiest_ms(before: dict[int, float], after: dict[int, float], fetches: int) -> float:
+    """CPU ms per fetch of the thread that spent the most: a thread that does a serial share of
+    every fetch caps the rate at 1 / this."""
+    return round(1e3 * max((after[t] - before.get(t, 0.0) for t in after), default=0.0) / fetches, 1)
+
+
 def child_pids(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -78,6 +96,7 @@ async def measure(address: str, names: list[str], ks: list[int], rounds: int, st
         for k in ks:
             walls, each = [], []
             s0, c0 = cpu_s(store_pid), cpu_s(child)
+            st0, ct0 = thread_cpu_s(store_pid), thread_cpu_s(child)
             for _ in range(rounds):
                 picked = [names[(cursor + j) % len(names)] for j in range(k)]
                 cursor += k
@@ -100,6 +119,10 @@ async def measure(address: str, names: list[str], ks: list[int], rounds: int, st
                     "fetches_per_s": round(k / statistics.median(walls), 1),
                     "store_cpu_ms_per_fetch": round(1e3 * (cpu_s(store_pid) - s0) / fetches, 1),
                     "fetch_process_cpu_ms_per_fetch": round(1e3 * (cpu_s(child) - c0) / fetches, 1),
+                    "store_busiest_thread_ms_per_fetch": busiest_ms(st0, thread_cpu_s(store_pid), fetches),
+                    "fetch_process_busiest_thread_ms_per_fetch": busiest_ms(
+                        ct0, thread_cpu_s(child), fetches
+                    ),
                 }
             )
             print(rows[-1], flush=True)
@@ -160,12 +183,13 @@ def main() -> int:
     print(f"\n{count} distinct {args.shape}-shaped rank-{args.rank} adapters ({payload_bytes / 1e6:.1f} MB), "
           f"found on the store's {args.origin}; {os.cpu_count()} CPUs, {host}")  # fmt: skip
     print(
-        "| fetches at once | wall ms | each: median / p90 ms | fetches/s | store CPU ms a fetch | fetch process CPU ms a fetch |"
+        "| fetches at once | wall ms | each: median / p90 ms | fetches/s | CPU ms a fetch: store (busiest thread) | fetch process (busiest thread) |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['k']} | {r['wall_ms']} | {r['fetch_median_ms']} / {r['fetch_p90_ms']} | {r['fetches_per_s']} | "
-              f"{r['store_cpu_ms_per_fetch']} | {r['fetch_process_cpu_ms_per_fetch']} |")  # fmt: skip
+              f"{r['store_cpu_ms_per_fetch']} ({r['store_busiest_thread_ms_per_fetch']}) | "
+              f"{r['fetch_process_cpu_ms_per_fetch']} ({r['fetch_process_busiest_thread_ms_per_fetch']}) |")  # fmt: skip
     if args.json:
         out = {"shape": args.shape, "rank": args.rank, "origin": args.origin, "payload_bytes": payload_bytes,
                "rows": rows, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
