@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from loraserve.inference_worker.engine.output_queue import OutputCallback
 from loraserve.inference_worker.engine.sequence import RequestOutput
-from loraserve.inference_worker.output_reader import mergeable, merged
+from loraserve.inference_worker.output_reader import mergeable, merged_run
 
 log = logging.getLogger("loraserve.worker")
 Items = list[tuple[OutputCallback, RequestOutput]]
@@ -35,14 +35,16 @@ def deliver(items: Items) -> None:
 def coalesce(items: Items) -> Items:
     """Each callback's consecutive outputs of one completion merged, in order; callbacks in the
     order they first appear."""
-    by_callback: dict[OutputCallback, list[RequestOutput]] = {}
+    by_callback: dict[OutputCallback, list[list[RequestOutput]]] = {}
     for callback, out in items:
-        outs = by_callback.setdefault(callback, [])
-        if outs and mergeable(outs[-1], out):
-            outs[-1] = merged(outs[-1], out)
+        runs = by_callback.get(callback)
+        if runs is None:
+            by_callback[callback] = [[out]]
+        elif mergeable(runs[-1][-1], out):
+            runs[-1].append(out)
         else:
-            outs.append(out)
-    return [(callback, out) for callback, outs in by_callback.items() for out in outs]
+            runs.append([out])
+    return [(callback, merged_run(run)) for callback, runs in by_callback.items() for run in runs]
 
 
 class Handover:

@@ -10,19 +10,23 @@ import asyncio
 from loraserve.inference_worker.engine.sequence import RequestOutput
 
 
-def merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """`a` then `b`, two consecutive outputs of one completion, as one."""
+def merged_run(run: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one completion, each mergeable into the one before, as one: built
+    once rather than pair by pair (a loop behind by k steps merges k outputs per stream)."""
+    if len(run) == 1:
+        return run[0]
+    first, last = run[0], run[-1]
     return RequestOutput(
-        a.request_id,
-        a.token_ids + b.token_ids,
-        a.text + b.text,
-        finish_reason=b.finish_reason,
-        usage=b.usage,
-        error=b.error,
-        adapter_id=b.adapter_id,
-        adapter_digest=b.adapter_digest,
-        index=a.index,
-        logprobs=a.logprobs + b.logprobs,
+        first.request_id,
+        [t for out in run for t in out.token_ids],
+        "".join([out.text for out in run]),
+        last.finish_reason,
+        last.usage,
+        last.error,
+        last.adapter_id,
+        last.adapter_digest,
+        first.index,
+        [lp for out in run for lp in out.logprobs],
     )
 
 
@@ -41,10 +45,11 @@ class OutputReader:
         an error, or another completion's output, is never merged and comes next."""
         out = self._held if self._held is not None else await self.queue.get()
         self._held = None
-        while not out.finished and out.error is None and not self.queue.empty():
+        run = [out]
+        while not run[-1].finished and run[-1].error is None and not self.queue.empty():
             nxt = self.queue.get_nowait()
-            if not mergeable(out, nxt):
+            if not mergeable(run[-1], nxt):
                 self._held = nxt
                 break
-            out = merged(out, nxt)
-        return out
+            run.append(nxt)
+        return merged_run(run)

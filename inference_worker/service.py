@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 
 VERSION = "0.1.0"
+# a request of prompt token ids only, up to this many, is built on the event loop (its checks are
+# a pass over the ids); text to tokenize or messages to render, or more ids, go to a thread
+INLINE_PROMPT_IDS = 8192
 
 _TIERS = {
     "gpu": worker_pb2.ADAPTER_TIER_GPU,
@@ -148,8 +151,11 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 [ChatMessage(m.role, m.content) for m in request.messages],
                 request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
             )
-            # validating, tokenizing, rendering a chat template: CPU work, off the event loop
-            seq = await asyncio.to_thread(self.engine.make_sequence, *args)
+            if request.prompt or request.messages or len(request.prompt_token_ids) > INLINE_PROMPT_IDS:
+                # tokenizing, rendering a chat template, scanning a long prompt: off the event loop
+                seq = await asyncio.to_thread(self.engine.make_sequence, *args)
+            else:  # token ids only: a few checks, cheaper here than a hand-off to a thread and back
+                seq = self.engine.make_sequence(*args)
             if self.failure is not None:  # failed while the request was being built
                 raise self.failure
             observer.submitted(seq)

@@ -9,7 +9,7 @@ import asyncio
 from loraserve.contract.usage import Usage
 from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutput, TokenLogprob
 from loraserve.inference_worker.errors import WorkerError
-from loraserve.inference_worker.output_reader import OutputReader
+from loraserve.inference_worker.output_reader import OutputReader, merged_run
 
 
 def out(tokens: list[int], index: int = 0, **kw) -> RequestOutput:
@@ -80,3 +80,28 @@ def test_an_output_alone_comes_out_unchanged_and_the_reader_waits_for_the_next()
         return got
 
     assert [o.token_ids for o in asyncio.run(go())] == [[5], [6]]
+
+
+def test_a_run_merges_as_its_outputs_one_after_another() -> None:
+    """merged_run over k outputs: the tokens, text and logprobs of all k in order, the first's id
+    and index, the last's ending, usage and adapter; a run of one is that output itself."""
+    usage = Usage(2, 5, 0.1, 1.0, 2.0)
+    run = [
+        out([1]),
+        out([2, 3]),
+        out([]),
+        out([4], finish_reason=FinishReason.STOP, usage=usage, adapter_id="x"),
+    ]
+    got = merged_run(run)
+    assert got.token_ids == [1, 2, 3, 4] and got.text == "<1><2><3><4>"
+    assert [lp.token_id for lp in got.logprobs] == [1, 2, 3, 4]
+    assert (got.request_id, got.index, got.finish_reason, got.usage, got.adapter_id) == (
+        "r",
+        0,
+        FinishReason.STOP,
+        usage,
+        "x",
+    )
+    assert all(o.token_ids == t for o, t in zip(run, [[1], [2, 3], [], [4]], strict=True))  # inputs intact
+    alone = out([9])
+    assert merged_run([alone]) is alone
