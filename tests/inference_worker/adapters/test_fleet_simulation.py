@@ -64,9 +64,14 @@ class SimWorker:
         self.view.cpu.discard(key.split("@")[0])
 
 
+TRUE_POPULARITY = {aid: 1.0 / (rank + 1) for rank, aid in enumerate(IDS)}  # Zipf 1.0, unnormalized
+
+
 class FleetSim:
-    def __init__(self, policy: str, seed: int, half_life_s: float = 60.0) -> None:
+    def __init__(self, policy: str, seed: int, half_life_s: float = 60.0, oracle: bool = False) -> None:
+        """`oracle`: the workers plan from the true popularity instead of their decayed counts."""
         self.policy, self.rng, self.clock = policy, random.Random(seed), Clock()
+        self.oracle = oracle
         self.workers = [SimWorker(f"10.0.0.{i}:50061", self.clock, half_life_s) for i in (1, 2)]
         self.next_round = 0.0
 
@@ -76,6 +81,8 @@ class FleetSim:
         for w in self.workers:
             for aid, n in w.popularity.top(256).items():
                 fleet[aid] = fleet.get(aid, 0.0) + n
+        if self.oracle:
+            fleet = dict(TRUE_POPULARITY)
         keys = tuple(sorted(w.address for w in self.workers))
         for w in self.workers:
             if self.policy == "free_room_only":
@@ -171,3 +178,19 @@ def test_the_default_half_life_ranks_the_tail_well_enough_to_near_the_ceiling() 
         steady[half_life] = sum(shares) / len(shares)
     assert steady[default] >= 0.885
     assert steady[default] >= steady[60.0] + 0.005
+
+
+def test_what_is_left_below_the_ceiling_is_the_counts_noise() -> None:
+    """The same fleet planning from the true popularity instead of counted requests: placement,
+    routing and on-demand fetches then hold the fleet within a point of the 91 % ceiling, so what
+    the counted fleet lacks is ranking, not placement. At 20 req/s an adapter of rank ~500 is asked
+    for about once in three minutes; its decayed count is a few requests, too noisy to rank it
+    against ranks 400-700."""
+    counted, oracle = [], []
+    for seed in (1, 2):
+        for shares, use_oracle in ((counted, False), (oracle, True)):
+            sim = FleetSim("complementary", seed=seed, half_life_s=300.0, oracle=use_oracle)
+            sim.serve(15000)
+            shares.append(sim.serve(4000))
+    assert sum(oracle) / 2 >= 0.90  # the ceiling, 0.911, less the hot adapters' replicas
+    assert sum(oracle) / 2 >= sum(counted) / 2 + 0.01
