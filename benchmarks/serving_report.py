@@ -22,6 +22,10 @@ def line_for(n: int, row: dict) -> str:
     fetches = f"  fetch {fetch_ms} ms mean, store {origins}" if fetch_ms is not None else ""
     if "engine" in sat:
         fetches += f"  engine empty {sat['engine']['empty_share']:.0%} at saturation"
+    gen = sat.get("generator")
+    if gen:
+        flag = " SATURATED" if gen["saturated"] else ""
+        fetches += f"  generator busy {gen['busy_share']:.0%}, late p99 {gen['lag_ms']['p99']} ms{flag}"
     step = (sat.get("adapter_activity") or {}).get("step_ms")
     steps = f" {step} ms a step" if step is not None else ""
     return (

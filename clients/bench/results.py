@@ -68,7 +68,8 @@ def _ms(stats: dict[str, float | None], mean: float | None) -> dict[str, float |
     return out
 
 
-def _latency(values: list[float]) -> dict[str, float | None]:
+def latency_ms(values: list[float]) -> dict[str, float | None]:
+    """Seconds as p50 / p90 / p99 / mean in ms."""
     return _ms(percentiles(values), statistics.fmean(values) if values else None)
 
 
@@ -78,8 +79,10 @@ def summarize(
     duration_s: float,
     slo_ttft_ms: float | None = None,
     activity: AdapterActivity | None = None,
+    generator: dict[str, object] | None = None,
 ) -> dict[str, object]:
-    """The run's summary; duration_s is from the first send to the last completion."""
+    """The run's summary; duration_s is from the first send to the last completion; `generator`
+    is the load generator's own load (runner.GeneratorLoad.as_dict)."""
     ok = [r for r in records if r.ok]
     ttfts = [t for r in ok if (t := r.ttft_s) is not None]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -93,10 +96,10 @@ def summarize(
         "output_token_throughput": round(out_tokens / span, 3),
         "total_output_tokens": out_tokens,
         "total_prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
-        "ttft_ms": _latency(ttfts),
-        "tpot_ms": _latency([t for r in ok if (t := r.tpot_s) is not None]),
-        "e2e_ms": _latency([r.e2e_s for r in ok]),
-        "send_lag_ms": _latency([r.sent_s - r.scheduled_s for r in records]),
+        "ttft_ms": latency_ms(ttfts),
+        "tpot_ms": latency_ms([t for r in ok if (t := r.tpot_s) is not None]),
+        "e2e_ms": latency_ms([r.e2e_s for r in ok]),
+        "send_lag_ms": latency_ms([r.sent_s - r.scheduled_s for r in records]),
         "errors": dict(sorted(Counter(r.status for r in records if not r.ok).items())),
         "base_requests": sum(1 for r in records if not r.adapter_id),
         "distinct_adapters": len({r.adapter_id for r in records if r.adapter_id}),
@@ -114,13 +117,15 @@ def summarize(
         by_tier: dict[str, object] = {}
         for tier in tiers:
             v = [x for r in ok if r.adapter_tier == tier and (x := r.ttft_s) is not None]
-            by_tier[tier] = {"count": len(v), **_latency(v)}
+            by_tier[tier] = {"count": len(v), **latency_ms(v)}
         summary["ttft_ms_by_tier"] = by_tier
     workers = Counter(r.worker for r in ok if r.worker)
     if len(workers) > 1:
         summary["requests_by_worker"] = dict(sorted(workers.items()))
     if activity is not None:
         summary["adapter_activity"] = activity.as_dict()
+    if generator is not None:
+        summary["generator"] = generator
     return summary
 
 
@@ -173,6 +178,21 @@ def format_summary(summary: dict[str, object]) -> str:
     errors = summary["errors"]
     assert isinstance(errors, dict)
     lines.append("errors: " + (", ".join(f"{k} {v}" for k, v in errors.items()) if errors else "none"))
+    gen = summary.get("generator")
+    if isinstance(gen, dict):
+        lag = gen["lag_ms"]
+        assert isinstance(lag, dict)
+        line = (
+            f"load generator: its event loop busy {gen['busy_share']:.0%} of the run, "
+            f"a timer late by p50 {_fmt(lag['p50'])} / p99 {_fmt(lag['p99'])} ms"
+        )
+        if gen["saturated"]:
+            line += (
+                "\nwarning: the load generator was saturated: requests were sent and read late, "
+                "so the throughput is a lower bound and the latencies include the generator's "
+                "own delay (lower the rate or concurrency, or run it on a faster core)"
+            )
+        lines.append(line)
     act = summary.get("adapter_activity")
     if isinstance(act, dict):
         lines.append(

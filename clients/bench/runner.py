@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from loraserve.clients.bench import worker_metrics
-from loraserve.clients.bench.results import RequestRecord, summarize
+from loraserve.clients.bench.results import RequestRecord, latency_ms, summarize
 from loraserve.clients.bench.targets import Target, TargetError
 from loraserve.clients.bench.workload import BenchRequest
 
@@ -58,10 +58,36 @@ class Progress:
         )
 
 
+# The generator watches itself: how busy its event loop's thread was and how late a timer set on
+# the loop woke. A generator that is busy (near a whole core) or late drives and times requests
+# late, so what it measures is partly its own limit.
+LAG_PROBE_S = 0.01  # the timer's period
+BUSY_SHARE = 0.9  # a loop busy this share of the run is saturated
+LATE_P99_MS = 20.0  # a timer this late (p99) delays sends and the reading of streams
+
+
+@dataclass(frozen=True)
+class GeneratorLoad:
+    """The load generator's own load during a run: its event loop's thread's CPU time over the
+    run's wall time, and how late a `LAG_PROBE_S` timer on the loop woke (ms)."""
+
+    busy_share: float
+    lag_ms: dict[str, float | None]
+
+    @property
+    def saturated(self) -> bool:
+        late = self.lag_ms.get("p99")
+        return self.busy_share >= BUSY_SHARE or (late is not None and late >= LATE_P99_MS)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"busy_share": self.busy_share, "lag_ms": self.lag_ms, "saturated": self.saturated}
+
+
 @dataclass
 class RunResult:
     records: list[RequestRecord]
     duration_s: float  # first send to last completion
+    generator: GeneratorLoad | None = None
 
 
 class Runner:
@@ -168,22 +194,35 @@ class Runner:
             await asyncio.sleep(self.progress_interval_s)
             print(self.progress.line(self._now()), file=self.progress_out, flush=True)
 
+    async def _probe_lag(self, lags: list[float]) -> None:
+        """How late a timer on the loop wakes (seconds), every LAG_PROBE_S."""
+        while True:
+            due = time.perf_counter() + LAG_PROBE_S
+            await asyncio.sleep(LAG_PROBE_S)
+            lags.append(max(0.0, time.perf_counter() - due))
+
     async def run(self, stream: Iterable[BenchRequest]) -> RunResult:
         self._t0 = self.clock()
-        reporter = asyncio.create_task(self._report()) if self.progress_interval_s else None
+        wall0, cpu0 = time.perf_counter(), time.thread_time()  # this thread runs the loop
+        lags: list[float] = []
+        tasks = [asyncio.create_task(self._probe_lag(lags))]
+        if self.progress_interval_s:
+            tasks.append(asyncio.create_task(self._report()))
         try:
             if self.limits.open_loop:
                 await self._open_loop(stream)
             else:
                 await self._closed_loop(stream)
         finally:
-            if reporter is not None:
-                reporter.cancel()
+            for task in tasks:
+                task.cancel()
+        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        generator = GeneratorLoad(round(min(1.0, cpu / wall), 3) if wall > 0 else 0.0, latency_ms(lags))
         if self.progress_interval_s:
             print(self.progress.line(self._now()), file=self.progress_out, flush=True)
         first = min((r.sent_s for r in self.records), default=0.0)
         last = max((r.end_s for r in self.records), default=0.0)
-        return RunResult(sorted(self.records, key=lambda r: r.index), last - first)
+        return RunResult(sorted(self.records, key=lambda r: r.index), last - first, generator)
 
 
 @dataclass
@@ -212,6 +251,10 @@ async def run_benchmark(
         after = await asyncio.to_thread(worker_metrics.scrape_all, metrics_urls)
         activity = worker_metrics.activity(before, after)
     summary = summarize(
-        result.records, duration_s=result.duration_s, slo_ttft_ms=slo_ttft_ms, activity=activity
+        result.records,
+        duration_s=result.duration_s,
+        slo_ttft_ms=slo_ttft_ms,
+        activity=activity,
+        generator=result.generator.as_dict() if result.generator is not None else None,
     )
     return BenchmarkResult(summary, result.records)

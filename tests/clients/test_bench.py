@@ -15,8 +15,8 @@ import pytest
 from loraserve.adapter_store.demo import DemoAdapterSpec
 from loraserve.clients.bench import worker_metrics
 from loraserve.clients.bench.cli import bench_main
-from loraserve.clients.bench.results import RequestRecord, percentiles, summarize
-from loraserve.clients.bench.runner import RunLimits, Runner
+from loraserve.clients.bench.results import RequestRecord, format_summary, percentiles, summarize
+from loraserve.clients.bench.runner import GeneratorLoad, RunLimits, Runner, run_benchmark
 from loraserve.clients.bench.targets import Chunk, TargetError
 from loraserve.clients.bench.workload import BenchRequest, RequestStream, WorkloadSpec, adapter_ids
 from loraserve.clients.router import discover_workers
@@ -342,6 +342,49 @@ def test_closed_loop_holds_its_concurrency_and_records_failures() -> None:
     assert target.peak == 3 and len(result.records) == 40
     assert [r.status for r in result.records].count("UNAVAILABLE") == 8
     assert all(r.output_tokens == 3 for r in result.records if r.ok)
+
+
+class _HoggingTarget(_CountingTarget):
+    """Holds the event loop for `hold_s` of CPU work before each token, as a generator too slow for
+    its load does: every timer on the loop wakes that late."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__()
+        self.hold_s = hold_s
+
+    async def stream(self, request: BenchRequest):
+        async for chunk in super().stream(request):
+            end = time.perf_counter() + self.hold_s
+            while time.perf_counter() < end:  # CPU work on the loop's thread, no await
+                pass
+            yield chunk
+
+
+def _closed_run(target: _CountingTarget, n: int) -> dict:
+    stream = RequestStream(WorkloadSpec(adapter_ids=("x",), output_len=(3, 3), vocab_size=10))
+    limits = RunLimits(n, None, 2, open_loop=False)
+    return asyncio.run(run_benchmark(target, stream, limits, progress_interval_s=None)).summary
+
+
+def test_the_generator_reports_its_own_load_and_says_when_it_was_saturated() -> None:
+    idle = _closed_run(_CountingTarget(), 20)["generator"]
+    assert idle["busy_share"] < 0.5 and not idle["saturated"]  # it mostly waited for the target
+    hog = _closed_run(_HoggingTarget(0.03), 10)
+    gen = hog["generator"]
+    assert gen["lag_ms"]["p99"] >= 20.0 and gen["saturated"]  # a 10 ms timer woke 20+ ms late
+    assert gen["busy_share"] > 0.3  # (below 1: the loop also waits for the target between tokens)
+    text = format_summary(hog)
+    assert (
+        "load generator: its event loop busy" in text and "warning: the load generator was saturated" in text
+    )
+    assert "warning" not in format_summary(_closed_run(_CountingTarget(), 5))
+
+
+def test_saturation_is_a_busy_loop_or_a_late_timer() -> None:
+    assert GeneratorLoad(0.95, {"p99": 1.0}).saturated
+    assert GeneratorLoad(0.2, {"p99": 25.0}).saturated
+    assert not GeneratorLoad(0.5, {"p99": 5.0}).saturated
+    assert not GeneratorLoad(0.0, {"p50": None, "p90": None, "p99": None, "mean": None}).saturated
 
 
 def test_open_loop_stops_sending_at_the_duration_and_caps_in_flight() -> None:
