@@ -1,11 +1,18 @@
 """The GPU tier's bookkeeping: which adapter version each slot holds, how many running
 sequences use it, when it was last used (cluster LRU clock), and which adapters are pinned.
-The weights themselves live in lora/slots.py."""
+The weights themselves live in lora/slots.py.
+
+Which idle slot a new version takes: least recently used first, among those whose version the
+CPU tier also holds (`backed`) before those whose version this worker holds nowhere else. A
+backed slot recycled loses nothing (the next request copies the version back from the CPU tier,
+~1 ms); an unbacked one loses the adapter to the store (tens of ms). The CPU tier evicts by its own
+order, which a slot's hits do not touch, so the slots come to hold adapters the tier does not,
+and the two tiers together hold more distinct adapters (`test_fleet_simulation.py`)."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 NOWHERE = sys.maxsize  # queue position of a request that is not queued
@@ -29,8 +36,10 @@ class SlotState:
 
 
 class SlotTable:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, backed: Callable[[str], bool] | None = None) -> None:
+        """`backed(key)`: whether the CPU tier holds that version too (default: never)."""
         self.slots = [SlotState(i) for i in range(num_slots)]
+        self.backed = backed or (lambda key: False)
         self.by_key: dict[str, int] = {}  # live (non-stale) versions only
         self.pins: set[str] = set()  # adapter ids
 
@@ -48,9 +57,10 @@ class SlotTable:
 
     def victim(self, wanted: Mapping[str, int] | None = None, before: int = NOWHERE) -> SlotState | None:
         """A free slot, else the least recently used one that no running sequence uses and that is
-        not pinned; None when every slot is busy or pinned. `wanted` (adapter id -> position of the
-        first queued request for it) keeps the adapters of requests queued ahead of position
-        `before` out of reach, and spares those queued behind it while any other slot is idle."""
+        not pinned, those whose version the CPU tier also holds first; None when every slot is busy
+        or pinned. `wanted` (adapter id -> position of the first queued request for it) keeps the
+        adapters of requests queued ahead of position `before` out of reach, and spares those
+        queued behind it while any other slot is idle."""
         for s in self.slots:
             if s.free:
                 return s
@@ -60,7 +70,10 @@ class SlotTable:
             for s in self.slots
             if s.running == 0 and not self.is_pinned(s) and queued.get(s.adapter_id, NOWHERE) >= before
         ]
-        return min(idle, key=lambda s: (s.adapter_id in queued, s.last_tick)) if idle else None
+        if not idle:
+            return None
+        backed = self.backed
+        return min(idle, key=lambda s: (s.adapter_id in queued, not backed(s.key or ""), s.last_tick))
 
     def free_slot(self) -> SlotState | None:
         """A slot that holds nothing (filling it evicts nothing)."""

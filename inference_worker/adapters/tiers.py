@@ -1,5 +1,6 @@
 """The two tiers an adapter version lives in: GPU slots (the weights in `lora.LoRASlots`, the
-bookkeeping in `SlotTable`) and the pinned CPU cache, both least recently used first out.
+bookkeeping in `SlotTable`) and the pinned CPU cache, both least recently used first out; a slot
+whose version the CPU cache also holds is recycled before one whose version it does not.
 
 Moves between them (a CPU payload copied into a slot, evictions, versions dropped) keep the
 metrics' gauges current and report each adapter whose residency changed to `changed`, which the
@@ -35,8 +36,8 @@ class AdapterTiers:
         if max_cpu_loras < slots.max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({slots.max_loras})")
         self.slots, self.metrics, self._changed = slots, metrics, changed
-        self.table = SlotTable(slots.max_loras)
         self.cpu = CpuCache(max_cpu_loras, max_cpu_bytes)
+        self.table = SlotTable(slots.max_loras, backed=self.cpu.__contains__)
         self.clock = 0  # local LRU clock: orders this worker's own slots, no network
         metrics.slots_total.set(slots.max_loras)
 

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from loraserve.inference_worker.adapters import AdapterRef
 from loraserve.inference_worker.errors import WorkerError
 
 
@@ -56,6 +57,31 @@ def test_tiers_are_lru_and_busy_slots_are_never_evicted(harness):
     assert by_id["mlp-rs16"].tier == "cpu" and by_id["mlp-rs16"].num_tokens == 5
     assert by_id["patterned"].slot == s2 and by_id["patterned"].num_gpu_loads == 1
     assert h.pool.metrics.value("loraserve_worker_adapter_slots_used") == 2
+
+
+def test_a_slot_backed_by_the_cpu_tier_is_recycled_before_one_that_is_not(harness):
+    """qv-r8 is the least recently used slot, but its CPU copy is gone (displaced): recycling its
+    slot would lose the adapter to the store. all-r4's slot goes instead; all-r4 stays resident in
+    the CPU tier, a copy away from a slot."""
+    h = harness(max_loras=2, max_cpu_loras=3)
+    for n in ("qv-r8", "all-r4", "mlp-rs16"):
+        h.run(h.ensure_cpu(n))
+    for seq, n in ((1, "qv-r8"), (2, "all-r4")):
+        h.acquire_eventually(seq, n)
+        h.pool.release(seq)
+    with h.pool.lock:
+        assert h.pool.tiers.evict_cpu(h.pool.versions.resolve(AdapterRef("qv-r8")))
+    tiers = {s.adapter_id: s.tier for s in h.pool.list()}
+    assert tiers == {"qv-r8": "gpu", "all-r4": "gpu", "mlp-rs16": "cpu"}
+    h.acquire_eventually(3, "mlp-rs16")
+    tiers = {s.adapter_id: s.tier for s in h.pool.list()}
+    assert tiers == {"qv-r8": "gpu", "all-r4": "cpu", "mlp-rs16": "gpu"}  # three adapters, none lost
+    # with every idle slot unbacked, the least recently used goes as before
+    with h.pool.lock:
+        assert h.pool.tiers.evict_cpu(h.pool.versions.resolve(AdapterRef("mlp-rs16")))
+    h.pool.release(3)
+    h.acquire_eventually(4, "all-r4")
+    assert {s.adapter_id: s.tier for s in h.pool.list()} == {"mlp-rs16": "gpu", "all-r4": "gpu"}
 
 
 def test_pins(harness):

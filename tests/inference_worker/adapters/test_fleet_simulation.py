@@ -1,5 +1,5 @@
 """The fleet's resident share under Zipf traffic, simulated with the real placement, CPU tier,
-popularity counter and router order (no model, no network; fetches land at once).
+slot table, popularity counter and router order (no model, no network; fetches land at once).
 
 Two workers with 256-entry CPU tiers, 1,000 adapters, Zipf exponent 1.0 (the top 256 carry 82 %
 of the requests, the top 512 91 %: only the two tiers together can hold what 90 % of requests
@@ -7,7 +7,8 @@ need), Poisson arrivals at 20 req/s, a request in flight for 2 s (the router's l
 coordination round every 0.5 s with at most 8 prefetches a worker. Compared: the previous policy
 (a worker prefetches the fleet's most popular adapters it lacks into free CPU room only, blind to
 where the rest of the fleet holds them) and complementary placement (`placement.plan_moves`).
-Both route through `order_workers`: holders first, an adapter held nowhere to its home.
+Both route through `order_workers`: holders first, an adapter held nowhere to its home. The last
+test adds each worker's 64 GPU slots (the real slot table) to compare how slots are recycled.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loraserve.clients.router import WorkerView, order_workers
 from loraserve.inference_worker.adapters.cpu_cache import CpuCache
 from loraserve.inference_worker.adapters.placement import FleetView, plan_moves
 from loraserve.inference_worker.adapters.popularity import PopularityCounter
+from loraserve.inference_worker.adapters.slot_table import SlotTable
 from loraserve.inference_worker.lora.payload import AdapterPayload
 
 NUM_ADAPTERS, CPU_ENTRIES, RATE, IN_FLIGHT_S, ROUND_S, MAX_PREFETCH = 1000, 256, 20.0, 2.0, 0.5, 8
@@ -43,36 +45,75 @@ class SimWorker:
     address: str
     clock: Clock
     half_life_s: float = 60.0
+    num_slots: int = 0  # GPU slots (the real SlotTable), filled from the CPU tier on use
+    backed_first: bool = True  # recycle the slots whose version the CPU tier holds first (the worker's)
     cache: CpuCache = field(default_factory=lambda: CpuCache(CPU_ENTRIES, 1 << 40))
     in_flight: deque[float] = field(default_factory=deque)  # end times of routed requests
 
     def __post_init__(self) -> None:
         self.popularity = PopularityCounter(self.half_life_s, clock=self.clock)
         self.view = WorkerView(self.address, client=None)  # type: ignore[arg-type]
+        self.table = SlotTable(self.num_slots, backed=self.cache.__contains__ if self.backed_first else None)
+        self.ticks = itertools.count(1)
 
     def holds(self, adapter_id: str) -> bool:
+        """In either tier: what the worker publishes and the router reads."""
         return adapter_id in self.view.cpu
+
+    def in_slot(self, adapter_id: str) -> bool:
+        return self.table.lookup(adapter_id + "@d") is not None
+
+    def _left(self, adapter_id: str) -> None:
+        if adapter_id + "@d" not in self.cache and not self.in_slot(adapter_id):
+            self.view.cpu.discard(adapter_id)
 
     def insert(self, adapter_id: str) -> None:
         payload = AdapterPayload(adapter_id, "d", 8, torch.zeros(1, dtype=torch.uint8), [])
         for key in self.cache.put(payload):
-            self.view.cpu.discard(key.split("@")[0])
+            self._left(key.split("@")[0])
         self.view.cpu.add(adapter_id)
 
     def evict(self, key: str) -> None:
         self.cache.remove(key)
-        self.view.cpu.discard(key.split("@")[0])
+        self._left(key.split("@")[0])
+
+    def use(self, adapter_id: str) -> None:
+        """A request runs with the adapter (and is done before the next: no slot stays busy)."""
+        if not self.num_slots:
+            return
+        key = adapter_id + "@d"
+        s = self.table.lookup(key)
+        if s is None:
+            s = self.table.victim()
+            assert s is not None
+            old = s.adapter_id
+            self.table.assign(s, key, adapter_id, "d", 8, 1, next(self.ticks))
+            if old:
+                self._left(old)
+        s.last_tick = next(self.ticks)
 
 
 TRUE_POPULARITY = {aid: 1.0 / (rank + 1) for rank, aid in enumerate(IDS)}  # Zipf 1.0, unnormalized
 
 
 class FleetSim:
-    def __init__(self, policy: str, seed: int, half_life_s: float = 60.0, oracle: bool = False) -> None:
-        """`oracle`: the workers plan from the true popularity instead of their decayed counts."""
+    def __init__(
+        self,
+        policy: str,
+        seed: int,
+        half_life_s: float = 60.0,
+        oracle: bool = False,
+        num_slots: int = 0,
+        backed_first: bool = True,
+    ) -> None:
+        """`oracle`: the workers plan from the true popularity instead of their decayed counts;
+        `num_slots`: GPU slots per worker; `backed_first`: slots recycled as the worker does
+        (those whose version the CPU tier holds first) or least recently used alone."""
         self.policy, self.rng, self.clock = policy, random.Random(seed), Clock()
         self.oracle = oracle
-        self.workers = [SimWorker(f"10.0.0.{i}:50061", self.clock, half_life_s) for i in (1, 2)]
+        self.workers = [
+            SimWorker(f"10.0.0.{i}:50061", self.clock, half_life_s, num_slots, backed_first) for i in (1, 2)
+        ]
         self.next_round = 0.0
 
     def coordinate(self) -> None:
@@ -98,7 +139,11 @@ class FleetSim:
             view = FleetView(w.address, fleet, keys, {a: h for a, h in holders.items() if h})
             evictable = [(k, k.split("@")[0]) for k in w.cache.keys()]
             moves = plan_moves(
-                view, held=set(w.view.cpu), room=w.cache.room, evictable=evictable, max_moves=MAX_PREFETCH
+                view,
+                held=set(w.view.cpu),
+                room=w.cache.room,
+                evictable=evictable,
+                max_moves=MAX_PREFETCH,
             )
             for m in moves:
                 if m.victim is not None:
@@ -124,9 +169,11 @@ class FleetSim:
             w.popularity.record(aid)
             if w.holds(aid):
                 hits += 1
-                w.cache.get(aid + "@d")
+                if not w.in_slot(aid):  # a slot hit leaves the CPU tier's order alone
+                    w.cache.get(aid + "@d")
             else:
                 w.insert(aid)
+            w.use(aid)
         return hits / num_requests
 
     def lose_a_worker(self) -> None:
@@ -194,3 +241,25 @@ def test_what_is_left_below_the_ceiling_is_the_counts_noise() -> None:
             shares.append(sim.serve(4000))
     assert sum(oracle) / 2 >= 0.90  # the ceiling, 0.911, less the hot adapters' replicas
     assert sum(oracle) / 2 >= sum(counted) / 2 + 0.01
+
+
+def test_slots_whose_version_the_cpu_tier_holds_are_recycled_first() -> None:
+    """With each worker's 64 GPU slots modeled (the real SlotTable): a slot hit leaves the CPU
+    tier's order alone, so the tier ages out the copies of adapters that live in slots. Recycling
+    the slots that are still backed by the tier first keeps those adapters in their slots, and the
+    two tiers hold different adapters: up to 640 on two workers (a ceiling of 94.0 %) instead of
+    the CPU tiers' 512 (91.1 %)."""
+    steady, distinct = {}, {}
+    for backed_first in (False, True):
+        shares = []
+        for seed in (1, 2):
+            sim = FleetSim(
+                "complementary", seed=seed, half_life_s=300.0, num_slots=64, backed_first=backed_first
+            )
+            sim.serve(15000)
+            shares.append(sim.serve(4000))
+        steady[backed_first] = sum(shares) / len(shares)
+        distinct[backed_first] = len(sim.workers[0].view.cpu | sim.workers[1].view.cpu)
+    assert steady[True] >= 0.91  # past the CPU tiers' ceiling: the slots hold adapters of their own
+    assert steady[True] >= steady[False] + 0.015
+    assert distinct[True] >= distinct[False] + 50
