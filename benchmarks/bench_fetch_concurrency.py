@@ -42,12 +42,14 @@ from loraserve.inference_worker.adapters.store_source import StoreSource  # noqa
 
 
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of process `pid`, every thread's (ended ones too), to the nanosecond: the
+    kernel's per-process CPU clock (/proc's counts are in 10 ms ticks, too coarse for one fetch)."""
+    return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds of each thread of `pid` (utime + stime)."""
+    """CPU seconds of each thread of `pid` (utime + stime, in /proc's 10 ms ticks: the kernel's
+    per-thread CPU clocks answer only for the caller's own threads)."""
     out = {}
     for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
         try:

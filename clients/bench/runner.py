@@ -87,7 +87,7 @@ class GeneratorLoad:
 class RunResult:
     records: list[RequestRecord]
     duration_s: float  # first send to last completion
-    generator: GeneratorLoad | None = None
+    generator: GeneratorLoad
 
 
 class Runner:
@@ -255,6 +255,6 @@ async def run_benchmark(
         duration_s=result.duration_s,
         slo_ttft_ms=slo_ttft_ms,
         activity=activity,
-        generator=result.generator.as_dict() if result.generator is not None else None,
+        generator=result.generator.as_dict(),
     )
     return BenchmarkResult(summary, result.records)

@@ -23,6 +23,5 @@ def test_fetch_concurrency_benchmark_smoke(tmp_path):
     assert [r["k"] for r in data["rows"]] == [1, 2]
     for r in data["rows"]:
         assert 0 < r["fetch_median_ms"] <= r["fetch_p90_ms"] and r["fetches_per_s"] > 0, r
-        # CPU times come from /proc in clock ticks (10 ms): a few small fetches may read 0
-        assert r["store_cpu_ms_per_fetch"] >= 0 and r["fetch_process_cpu_ms_per_fetch"] >= 0, r
+        assert r["store_cpu_ms_per_fetch"] > 0 and r["fetch_process_cpu_ms_per_fetch"] > 0, r
     assert "| fetches at once |" in done.stdout
