@@ -44,7 +44,7 @@ from serving_report import device_name, line_for, resident_share
 
 from loraserve.clients.bench.runner import RunLimits, run_benchmark
 from loraserve.clients.bench.targets import RouterTarget, Sampling, Target, WorkerTarget
-from loraserve.clients.bench.workload import RequestStream, WorkloadSpec
+from loraserve.clients.bench.workload import RequestStream, WorkloadSpec, zipf_weights
 
 S_LORA_RATIO = 7.61 / 8.05  # S-LoRA's 1,000 / 5 adapters throughput (0.945)
 
@@ -52,6 +52,45 @@ S_LORA_RATIO = 7.61 / 8.05  # S-LoRA's 1,000 / 5 adapters throughput (0.945)
 def length_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     return int(lo), int(hi or lo)
+
+
+def holdings(addresses: Sequence[str]) -> dict[str, dict[str, str]]:
+    """The adapters each worker holds now, from its ListAdapters: adapter id -> tier (a GPU
+    slot's adapter as "gpu", whether or not the CPU tier also holds it; fetches in flight left out)."""
+    from loraserve.clients.worker_client import WorkerClient
+    from loraserve.v1 import worker_pb2
+
+    out = {}
+    for address in addresses:
+        with WorkerClient(address) as client:
+            listed = client.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=10)
+        tiers = {worker_pb2.ADAPTER_TIER_GPU: "gpu", worker_pb2.ADAPTER_TIER_CPU: "cpu"}
+        out[address] = {a.adapter_id: tiers[a.tier] for a in listed.adapters if a.tier in tiers}
+    return out
+
+
+def coverage(held: dict[str, dict[str, str]], ids: Sequence[str], exponent: float) -> dict[str, object]:
+    """What the fleet's holdings could serve: the Zipf share of requests whose adapter some worker
+    holds (the resident share a router that always found the holder would reach), how many
+    distinct adapters that is, how many are held twice, and how many of the most popular `held`
+    ids (the best a fleet of that many distinct adapters could hold) are among them; per worker,
+    how many it holds in a GPU slot and in the CPU tier only; the popularity ranks (0 = the most
+    popular) of the adapters held twice."""
+    weights = zipf_weights(len(ids), exponent)
+    union = set().union(*held.values()) if held else set()
+    rank = {aid: i for i, aid in enumerate(ids)}
+    twice = sorted(rank.get(aid, -1) for aid in union if sum(aid in h for h in held.values()) > 1)
+    share = sum(w for aid, w in zip(ids, weights, strict=True) if aid in union) / sum(weights)
+    return {
+        "share": round(share, 4),
+        "distinct": len(union),
+        "held_twice": len(twice),
+        "of_the_top": sum(1 for aid in ids[: len(union)] if aid in union),
+        "by_worker": {
+            a: {t: sum(1 for v in h.values() if v == t) for t in ("gpu", "cpu")} for a, h in held.items()
+        },
+        "ranks_held_twice": twice,
+    }
 
 
 class Bench:
@@ -236,10 +275,15 @@ class Bench:
                 functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
                 ids, rate=None, duration=a.prefetch_warmup, seed=7, metrics=metrics,
             )  # fmt: skip
+            held_before = holdings(both)
             phases["both"] = self.load(
                 functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
                 ids, rate=rate, duration=a.prefetch_duration, seed=8, metrics=metrics,
             )  # fmt: skip
+            phases["both"]["holdings"] = {
+                "before": coverage(held_before, ids, a.zipf),
+                "after": coverage(holdings(both), ids, a.zipf),
+            }
             # then the first worker goes away (a restart, a scale-in): the second serves alone
             fleet.stop(first)
             phases["replaced"] = self.load(
@@ -248,7 +292,11 @@ class Bench:
             )  # fmt: skip
             out[v] = phases
             shares = ", ".join(f"{phase} {got['resident_share']}" for phase, got in phases.items())
-            print(f"prefetch {v}: resident share {shares}", flush=True)
+            held = {
+                w: {k: v for k, v in c.items() if k != "ranks_held_twice"}
+                for w, c in phases["both"]["holdings"].items()
+            }
+            print(f"prefetch {v}: resident share {shares}; holdings {held}", flush=True)
             fleet.stop(second)
             self.results["prefetch"] = out
             self.save()

@@ -14,8 +14,15 @@ plans agree without a claim or a lock:
   union of different sets rather than the same top set twice.
 
 A worker takes its wanted adapters in popularity order (ties by id): into free CPU room first,
-then each in place of the least popular evictable CPU-tier entry, only while that entry is
-strictly less popular than the candidate; at most `max_moves` per round. Transient disagreement
+then each in place of the least valuable evictable CPU-tier entry, only while that entry is worth
+strictly less than the candidate; at most `max_moves` per round. An entry is worth its popularity,
+except a **surplus copy**: a non-hot adapter that other live workers hold too, where this worker
+is not the first holder in the adapter's rendezvous order. It is worth nothing, so it is the first
+to make room. Such copies come from traffic, not from placement: under load the router sends a
+request to a less loaded worker that lacks its adapter, which fetches it, and the two copies stay
+while both workers use them. Shedding them turns the room back into different adapters (measured
+through the services: after a saturated phase two workers held ~100 adapters twice, most of the
+top 50). Transient disagreement
 (a worker's heartbeat expiring, residency published a round late) costs at most a duplicate
 fetch: placement is soft state like the rest of the coordination.
 """
@@ -25,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from loraserve.clients.placement import home
+from loraserve.clients.placement import home, rendezvous_order
 from loraserve.inference_worker.coordination import Coordinator
 
 REPLICATE_SHARE = 0.02  # under Zipf 1.0 over 1,000 adapters: the top 6, a third of the requests
@@ -80,21 +87,31 @@ def plan_moves(
     for prefetch; evictable: (version key, adapter id) of the CPU-tier entries a prefetch may
     replace (the caller leaves out what queued or running requests need and pinned adapters)."""
     total = sum(view.popularity.values())
-    victims = sorted(evictable, key=lambda e: (view.value(e[1]), e[0]))  # least popular first
+
+    def hot(count: float) -> bool:
+        return total > 0 and count >= replicate_share * total
+
+    def worth(aid: str) -> float:
+        """What keeping this worker's CPU-tier copy of `aid` is worth."""
+        count, others = view.value(aid), view.holders.get(aid)
+        if others and not hot(count) and rendezvous_order(aid, others | {view.me})[0] != view.me:
+            return 0.0  # a surplus copy: the first holder in rendezvous order keeps it
+        return count
+
+    victims = sorted(evictable, key=lambda e: (worth(e[1]), e[0]))  # the least worth first
     moves: list[Move] = []
     for aid, count in sorted(view.popularity.items(), key=lambda kv: (-kv[1], kv[0])):
         if len(moves) >= max_moves or count <= 0:
             break
         if aid in held:
             continue
-        hot = total > 0 and count >= replicate_share * total
-        if not hot and (view.holders.get(aid) or home(aid, view.workers) != view.me):
+        if not hot(count) and (view.holders.get(aid) or home(aid, view.workers) != view.me):
             continue
         if room > 0:
             room -= 1
             moves.append(Move(aid, None))
             continue
-        if not victims or view.value(victims[0][1]) >= count:
+        if not victims or worth(victims[0][1]) >= count:
             break  # every later candidate is less popular still
         moves.append(Move(aid, victims.pop(0)[0]))
     return moves

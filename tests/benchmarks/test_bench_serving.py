@@ -40,3 +40,10 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
         for phase in ("warm", "both", "replaced"):
             run = got["prefetch"][variant][phase]
             assert run["failed"] == 0 and 0.0 <= run["resident_share"] <= 1.0, (variant, phase)
+        held = got["prefetch"][variant]["both"]["holdings"]
+        for when in ("before", "after"):
+            h = held[when]  # read from the two workers' ListAdapters
+            assert len(h["by_worker"]) == 2 and 0 < h["distinct"] <= 12 and 0.0 < h["share"] <= 1.0
+            for tiers in h["by_worker"].values():
+                assert tiers["gpu"] <= 2 and tiers["gpu"] + tiers["cpu"] <= 6 + 2
+            assert len(h["ranks_held_twice"]) == h["held_twice"] <= h["distinct"]

@@ -250,3 +250,32 @@ def test_slots_whose_version_the_cpu_tier_holds_are_recycled_first() -> None:
     assert backed[0] >= 0.91  # past the CPU tiers' ceiling: the slots hold adapters of their own
     assert backed[0] >= lru[0] + 0.015
     assert backed[1] >= lru[1] + 50
+
+
+def coverage(sim: FleetSim) -> tuple[float, int]:
+    """The Zipf share of requests whose adapter some worker holds, and how many adapters both hold."""
+    a, b = (w.view.cpu for w in sim.workers)
+    held = a | b
+    share = sum(1.0 / (IDS.index(aid) + 1) for aid in held) / _CUMULATIVE[-1]
+    return share, len(a & b)
+
+
+def test_copies_a_burst_left_on_both_workers_are_shed() -> None:
+    """Under load the router sends requests to a less loaded worker that lacks their adapter (it
+    fetches it), so after a saturated phase two workers held ~100 adapters twice, most of the top
+    50 (measured through the services). Only hot adapters are worth two copies; for any other, the
+    holder later in its rendezvous order lets its copy go first when it needs room for one of its
+    wanted adapters, so the fleet holds different adapters again within seconds."""
+    sim = FleetSim("complementary", seed=3, half_life_s=300.0, num_slots=64)
+    sim.serve(15000)
+    steady_share, steady_twice = coverage(sim)
+    for w in sim.workers:  # ranks 7-106 on both workers, as the saturated phase left them
+        for aid in IDS[6:106]:
+            if not w.holds(aid):
+                w.insert(aid)
+    burst_share, burst_twice = coverage(sim)
+    assert burst_twice >= 90 and burst_share <= steady_share - 0.02
+    sim.serve(600)  # 30 s at 20 req/s
+    share, twice = coverage(sim)
+    assert twice <= steady_twice + 15
+    assert share >= steady_share - 0.005

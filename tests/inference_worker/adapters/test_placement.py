@@ -87,3 +87,29 @@ def test_fleet_view_reads_live_holders_by_address(coordinator) -> None:
     assert v.popularity == {"a": 2.0, "c": 1.0}
     # its own residency is not read back (the worker's tiers are the truth); the gone one's is ignored
     assert v.holders == {"a": frozenset({WORKERS[1]}), "b": frozenset({WORKERS[1]})}
+
+
+def test_a_surplus_copy_is_the_first_to_make_room() -> None:
+    """A non-hot adapter held by two workers: the one first in its rendezvous order keeps it, the
+    other's copy is worth nothing and makes room for any wanted adapter; a hot one stays replicated."""
+    a, b = WORKERS
+    twice = next(x for x in IDS if home(x, WORKERS) == b)  # b keeps it, a's copy is surplus
+    mine = [x for x in IDS if home(x, WORKERS) == a and x != twice][:2]
+    popularity = {twice: 8.0, mine[0]: 2.0, mine[1]: 1.0, "cold": 0.5, "hot": 30.0}
+    evictable = [(f"{twice}@d", twice), ("cold@d", "cold"), ("hot@d", "hot")]
+    holders = {twice: {b}, "hot": {b}}
+    held = {twice, "cold", "hot"}
+    got = plan(view(a, popularity, holders), held=held, room=0, evictable=evictable, share=0.5)
+    # the surplus copy (8 requests counted) goes before the colder unique entry (0.5)
+    assert got == [Move(mine[0], f"{twice}@d"), Move(mine[1], "cold@d")]
+    # seen from b, the keeper: its copy is worth its count, so nothing colder than 8 displaces it
+    evictable_b = [(f"{twice}@d", twice), ("cold@d", "cold")]
+    wanted_b = next(x for x in IDS if home(x, WORKERS) == b and x != twice)
+    popularity_b = {twice: 8.0, wanted_b: 2.0, "cold": 0.5}
+    got = plan(
+        view(b, popularity_b, {twice: {a}}), held={twice, "cold"}, room=0, evictable=evictable_b, share=1.0
+    )
+    assert got == [Move(wanted_b, "cold@d")]
+    # a hot adapter held twice is not surplus: replicas spread its traffic
+    evictable_hot = [("hot@d", "hot")]
+    assert plan(view(a, popularity, holders), held=held, room=0, evictable=evictable_hot, share=0.5) == []
