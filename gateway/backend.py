@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from typing import Any
 
 import grpc
@@ -99,6 +99,12 @@ class Backend:
         if view is not None and self._router is not None:
             self._router.mark_down(view)
 
+    def _routed(self, view: WorkerView | None) -> AbstractContextManager[None]:
+        """Count the request in the view's load while it runs (the router's choices between refreshes)."""
+        if view is None or self._router is None:
+            return nullcontext()
+        return self._router.routed(view)
+
     def _note_use(self, view: WorkerView | None, adapter_id: str) -> None:
         if view is not None and self._router is not None:
             self._router.note_use(view, adapter_id)
@@ -107,7 +113,8 @@ class Backend:
         last: grpc.RpcError | None = None
         for client, view in await self.candidates(adapter_id):
             try:
-                out = await client.generate(adapter_id=adapter_id, **kw)
+                with self._routed(view):
+                    out = await client.generate(adapter_id=adapter_id, **kw)
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE:  # type: ignore[attr-defined]
                     raise
@@ -127,10 +134,11 @@ class Backend:
             try:
                 # an async generator, typed as an iterator by the client
                 stream = client.generate_stream(adapter_id=adapter_id, **kw)
-                async with aclosing(stream) as deltas:  # type: ignore[type-var]
-                    async for delta in deltas:
-                        started = True
-                        yield delta
+                with self._routed(view):
+                    async with aclosing(stream) as deltas:  # type: ignore[type-var]
+                        async for delta in deltas:
+                            started = True
+                            yield delta
             except grpc.RpcError as exc:
                 if started or exc.code() not in _RETRYABLE:  # type: ignore[attr-defined]
                     raise

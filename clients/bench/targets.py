@@ -146,16 +146,17 @@ class RouterTarget:
         for w in candidates:
             started = False
             try:
-                async for delta in self.clients[w.address].generate_stream(
-                    request.prompt,
-                    adapter_id=request.adapter_id,
-                    max_tokens=request.max_tokens,
-                    temperature=s.temperature,
-                    ignore_eos=s.ignore_eos,
-                    timeout=s.timeout_s,
-                ):
-                    started = True
-                    yield _chunk(delta, w.address)
+                with self.router.routed(w):
+                    async for delta in self.clients[w.address].generate_stream(
+                        request.prompt,
+                        adapter_id=request.adapter_id,
+                        max_tokens=request.max_tokens,
+                        temperature=s.temperature,
+                        ignore_eos=s.ignore_eos,
+                        timeout=s.timeout_s,
+                    ):
+                        started = True
+                        yield _chunk(delta, w.address)
             except grpc.aio.AioRpcError as exc:
                 if started or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise _rpc_error(exc) from None

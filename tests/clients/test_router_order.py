@@ -64,3 +64,42 @@ def test_an_overloaded_holder_loses_its_place() -> None:
 def test_base_requests_go_to_the_least_loaded() -> None:
     a0, a1, a2 = ADDRESSES
     assert order("", views({a0: 4, a1: 2, a2: 9})) == [a1, a0, a2]
+
+
+def test_between_refreshes_the_router_counts_its_own_requests() -> None:
+    """The workers' reports are read every refresh_s; in between, each request the router sends
+    counts on its worker until it ends. Requests for an adapter two workers hold alternate between
+    them instead of all going to the one that read as less loaded at the last refresh, and a
+    holder that reads as overloaded gets its adapters' requests again once it is not."""
+    from contextlib import ExitStack
+
+    from loraserve.clients.router import WorkerRouter
+
+    router = WorkerRouter(ADDRESSES[:2], refresh_s=1e9, clock=lambda: 1.0)
+    try:
+        w0, w1 = router.workers
+        for w, load in ((w0, 3), (w1, 0)):  # as if just refreshed: no report is read in this test
+            w.seen_at, w.load, w.gpu = 0.0, load, {"x"}
+        with ExitStack() as running:
+            sent = []
+            for _ in range(9):
+                w = router.candidates("x")[0]
+                running.enter_context(router.routed(w))
+                sent.append(w.address)
+            # w1 takes the first three (it read 0 against 3), then they alternate
+            assert sent[:3] == [w1.address] * 3 and sorted(sent[3:]) == sorted([w0.address, w1.address] * 3)
+            assert (w0.load, w1.load) == (6, 6)
+        assert (w0.load, w1.load) == (3, 0)  # each request off its worker once it ended
+        # the overloaded holder: sent to the other worker only while it is over the bound
+        w0.load, w0.gpu, w1.gpu = 17, {"y"}, set()
+        assert router.candidates("y")[0] is w1
+        with ExitStack() as running:
+            for _ in range(3):
+                running.enter_context(router.routed(router.candidates("y")[0]))
+            assert router.candidates("y")[0] is w0  # 17 against 3: within max(16, 3) again
+        w1.load = 0
+        with router.routed(w1):
+            w1.load = 0  # a report read before the request reached the worker: its end finds 0
+        assert w1.load == 0  # never negative
+    finally:
+        router.close()

@@ -106,16 +106,22 @@ class FleetSim:
         oracle: bool = False,
         num_slots: int = 0,
         backed_first: bool = True,
+        stale_loads_s: float = 0.0,
     ) -> None:
         """`oracle`: the workers plan from the true popularity instead of their decayed counts;
         `num_slots`: GPU slots per worker; `backed_first`: slots recycled as the worker does
-        (those whose version the CPU tier holds first) or least recently used alone."""
+        (those whose version the CPU tier holds first) or least recently used alone;
+        `stale_loads_s`: the router orders by the loads the workers reported at its last refresh,
+        every this many seconds, blind to its own requests since (the router before it counted
+        them); 0: by the loads now (this simulation has one router, which counts all requests)."""
         self.policy, self.rng, self.clock = policy, random.Random(seed), Clock()
         self.oracle = oracle
         self.workers = [
             SimWorker(f"10.0.0.{i}:50061", self.clock, half_life_s, num_slots, backed_first) for i in (1, 2)
         ]
         self.next_round = 0.0
+        self.stale_loads_s, self.next_refresh = stale_loads_s, 0.0
+        self.reported = {w.address: 0 for w in self.workers}
 
     def coordinate(self) -> None:
         """One round: every worker publishes its counts, reads the fleet's, prefetches."""
@@ -159,7 +165,11 @@ class FleetSim:
             for w in self.workers:
                 while w.in_flight and w.in_flight[0] <= self.clock.t:
                     w.in_flight.popleft()
-                w.view.load = len(w.in_flight)
+            if self.clock.t >= self.next_refresh:
+                self.reported = {w.address: len(w.in_flight) for w in self.workers}
+                self.next_refresh = self.clock.t + self.stale_loads_s
+            for w in self.workers:
+                w.view.load = self.reported[w.address] if self.stale_loads_s else len(w.in_flight)
             address = order_workers(aid, [w.view for w in self.workers])[0].address
             w = next(w for w in self.workers if w.address == address)
             w.in_flight.append(self.clock.t + IN_FLIGHT_S)
@@ -279,3 +289,27 @@ def test_copies_a_burst_left_on_both_workers_are_shed() -> None:
     share, twice = coverage(sim)
     assert twice <= steady_twice + 15
     assert share >= steady_share - 0.005
+
+
+def test_a_saturated_router_that_counts_its_own_requests_keeps_adapters_apart() -> None:
+    """Saturation (167 req/s, 127 requests in flight, as the services ran). A router that orders
+    workers by the loads reported at its last refresh (every 2 s) and nothing since sends, for a
+    whole period, every request of the worker that read as overloaded to the other one, which
+    fetches copies of its adapters: the fleet ends up holding the top adapters twice. Counting its
+    own requests between refreshes (`WorkerRouter.routed`) keeps the loads current."""
+    global RATE, IN_FLIGHT_S
+    saved = RATE, IN_FLIGHT_S
+    RATE, IN_FLIGHT_S = 167.0, 0.76
+    try:
+        got = {}
+        for stale in (2.0, 0.0):
+            sim = FleetSim("complementary", seed=4, half_life_s=300.0, num_slots=64, stale_loads_s=stale)
+            sim.serve(10000)
+            share = sim.serve(10000)
+            got[stale] = (share, *coverage(sim))
+    finally:
+        RATE, IN_FLIGHT_S = saved
+    (stale_share, _, stale_twice), (share, held, twice) = got[2.0], got[0.0]
+    assert stale_twice >= 80 and twice <= 20
+    assert share >= stale_share + 0.08  # requests whose adapter was resident
+    assert held >= 0.92  # the fleet's holdings: near the two workers' 94 % ceiling
