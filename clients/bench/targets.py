@@ -50,6 +50,18 @@ class Sampling:
     timeout_s: float | None = None
 
 
+def _generate(client: AsyncWorkerClient, request: BenchRequest, s: Sampling) -> AsyncIterator[Delta]:
+    """The worker's stream of deltas for one benchmark request."""
+    return client.generate_stream(
+        request.prompt,
+        adapter_id=request.adapter_id,
+        max_tokens=request.max_tokens,
+        temperature=s.temperature,
+        ignore_eos=s.ignore_eos,
+        timeout=s.timeout_s,
+    )
+
+
 def _chunk(delta: Delta, worker: str) -> Chunk:
     u = delta.usage
     if u is None:
@@ -89,14 +101,7 @@ class WorkerTarget:
     async def stream(self, request: BenchRequest) -> AsyncIterator[Chunk]:
         s = self.sampling
         try:
-            async for delta in self.client.generate_stream(
-                request.prompt,
-                adapter_id=request.adapter_id,
-                max_tokens=request.max_tokens,
-                temperature=s.temperature,
-                ignore_eos=s.ignore_eos,
-                timeout=s.timeout_s,
-            ):
+            async for delta in _generate(self.client, request, s):
                 yield _chunk(delta, self.address)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc) from None
@@ -147,14 +152,7 @@ class RouterTarget:
             started = False
             try:
                 with self.router.routed(w):
-                    async for delta in self.clients[w.address].generate_stream(
-                        request.prompt,
-                        adapter_id=request.adapter_id,
-                        max_tokens=request.max_tokens,
-                        temperature=s.temperature,
-                        ignore_eos=s.ignore_eos,
-                        timeout=s.timeout_s,
-                    ):
+                    async for delta in _generate(self.clients[w.address], request, s):
                         started = True
                         yield _chunk(delta, w.address)
             except grpc.aio.AioRpcError as exc:

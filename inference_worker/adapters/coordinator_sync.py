@@ -3,8 +3,10 @@ engine's step loop nor the event loop ever waits on the network.
 
 It reads invalidation events from the stream cursor every `poll_s` and applies them, publishes
 invalidations that the store check queued, and every `interval_s` writes this worker's residency,
-pins, heartbeat and decayed per-adapter request counts, then hands the fleet's summed counts, live
-workers and residency (`placement.FleetView`) to `on_fleet_popularity` (popularity prefetch). A frozen or unreachable Redis stalls only this thread: the worker keeps serving
+pins, heartbeat and decayed per-adapter request counts, then hands the fleet's summed counts
+(merged with its memory of them, `popularity.FleetMemory`, so a worker that leaves does not take
+what its counts told the fleet with it), live workers and residency (`placement.FleetView`) to
+`on_fleet_popularity` (popularity prefetch). A frozen or unreachable Redis stalls only this thread: the worker keeps serving
 what it holds and its view of the cluster is stale by at most the stall, then reconciles (the
 cursor resumes where it stopped; the Redis coordinator republishes its shadow).
 """
@@ -17,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from loraserve.inference_worker.adapters.placement import FleetView
+from loraserve.inference_worker.adapters.popularity import FleetMemory
 from loraserve.inference_worker.coordination import FIRST_EVENT_ID, Coordinator
 from loraserve.inference_worker.coordination.coordinator import InvalidationEvent
 
@@ -40,11 +43,13 @@ class CoordinatorSync:
         heartbeat_ttl_s: float = 10.0,
         popularity: Callable[[], dict[str, float]] | None = None,
         on_fleet_popularity: Callable[[FleetView], object] | None = None,
+        fleet_memory: FleetMemory | None = None,
     ) -> None:
         self.coordinator, self.worker_id, self.address = coordinator, worker_id, address
         self._apply, self._flush, self._info = apply, flush_residency, heartbeat_info
         self.interval_s, self.poll_s, self.heartbeat_ttl_s = interval_s, poll_s, heartbeat_ttl_s
         self._popularity, self._on_fleet = popularity, on_fleet_popularity
+        self._memory = fleet_memory
         self._cursor = FIRST_EVENT_ID
         self._outbox: list[tuple[str, str, str]] = []  # invalidations to publish
         self._outbox_lock = threading.Lock()
@@ -86,7 +91,8 @@ class CoordinatorSync:
             ttl = max(3 * self.interval_s, self.heartbeat_ttl_s)
             self.coordinator.publish_popularity(self.worker_id, self._popularity(), ttl)
         if self._on_fleet is not None:
-            self._on_fleet(FleetView.read(self.coordinator, self.worker_id, self.placement_key))
+            remember = self._memory.merge if self._memory is not None else None
+            self._on_fleet(FleetView.read(self.coordinator, self.worker_id, self.placement_key, remember))
 
     # ------------------------------------------------------------------ any thread
     def publish_invalidation(self, adapter_id: str, digest: str, reason: str) -> None:

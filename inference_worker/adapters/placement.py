@@ -29,7 +29,7 @@ fetch: placement is soft state like the rest of the coordination.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from loraserve.clients.placement import home, rendezvous_order
@@ -49,9 +49,18 @@ class FleetView:
     holders: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, coordinator: Coordinator, worker_id: str, key: str) -> FleetView:
-        """Popularity, live workers and their residency (coordinator round trips: sync thread)."""
+    def read(
+        cls,
+        coordinator: Coordinator,
+        worker_id: str,
+        key: str,
+        remember: Callable[[dict[str, float]], dict[str, float]] | None = None,
+    ) -> FleetView:
+        """Popularity, live workers and their residency (coordinator round trips: sync thread).
+        remember: merges the fleet's counts with what was read before (`popularity.FleetMemory`)."""
         popularity = coordinator.fleet_popularity()
+        if remember is not None:
+            popularity = remember(popularity)
         keys = {hb.worker_id: hb.address or hb.worker_id for hb in coordinator.live_workers()}
         keys[worker_id] = key
         holders: dict[str, set[str]] = {}

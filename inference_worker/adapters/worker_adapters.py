@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from loraserve.inference_worker.adapters.coordinator_sync import CoordinatorSync
 from loraserve.inference_worker.adapters.pool import AdapterPool
+from loraserve.inference_worker.adapters.popularity import FleetMemory
 from loraserve.inference_worker.adapters.refs import AdapterRef
 from loraserve.inference_worker.adapters.staging import AheadOfNeed
 from loraserve.inference_worker.adapters.store_check import StoreCheck
@@ -67,6 +68,7 @@ class WorkerAdapters:
             interval_s=interval_s,
             popularity=lambda: pool.popularity.top(POPULARITY_TOP),
             on_fleet_popularity=self.ahead.prefetch if prefetch else None,
+            fleet_memory=FleetMemory(pool.popularity.half_life_s) if prefetch else None,
         )
         self.store_check = (
             StoreCheck(list_digests, pool.known_digests, self.sync.publish_invalidation, interval_s)

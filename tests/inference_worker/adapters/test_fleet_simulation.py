@@ -25,7 +25,7 @@ import torch
 from loraserve.clients.router import WorkerView, order_workers
 from loraserve.inference_worker.adapters.cpu_cache import CpuCache
 from loraserve.inference_worker.adapters.placement import FleetView, plan_moves
-from loraserve.inference_worker.adapters.popularity import PopularityCounter
+from loraserve.inference_worker.adapters.popularity import FleetMemory, PopularityCounter
 from loraserve.inference_worker.adapters.slot_table import SlotTable
 from loraserve.inference_worker.lora.payload import AdapterPayload
 
@@ -48,11 +48,13 @@ class SimWorker:
     half_life_s: float = 60.0
     num_slots: int = 0  # GPU slots (the real SlotTable), filled from the CPU tier on use
     backed_first: bool = True  # recycle the slots whose version the CPU tier holds first (the worker's)
+    remember: bool = True  # plan from the fleet's counts merged with its memory of them (the worker's)
     cache: CpuCache = field(default_factory=lambda: CpuCache(CPU_ENTRIES, 1 << 40))
     in_flight: deque[float] = field(default_factory=deque)  # end times of routed requests
 
     def __post_init__(self) -> None:
         self.popularity = PopularityCounter(self.half_life_s, clock=self.clock)
+        self.memory = FleetMemory(self.half_life_s, clock=self.clock) if self.remember else None
         self.view = WorkerView(self.address, client=None)  # type: ignore[arg-type]
         self.table = SlotTable(self.num_slots, backed=self.cache.__contains__ if self.backed_first else None)
         self.ticks = itertools.count(1)
@@ -107,17 +109,21 @@ class FleetSim:
         num_slots: int = 0,
         backed_first: bool = True,
         stale_loads_s: float = 0.0,
+        remember: bool = True,
     ) -> None:
         """`oracle`: the workers plan from the true popularity instead of their decayed counts;
         `num_slots`: GPU slots per worker; `backed_first`: slots recycled as the worker does
         (those whose version the CPU tier holds first) or least recently used alone;
         `stale_loads_s`: the router orders by the loads the workers reported at its last refresh,
         every this many seconds, blind to its own requests since (the router before it counted
-        them); 0: by the loads now (this simulation has one router, which counts all requests)."""
+        them); 0: by the loads now (this simulation has one router, which counts all requests);
+        `remember`: each worker plans from the fleet's counts merged with its `FleetMemory` (the
+        worker's), else from the live workers' counts alone."""
         self.policy, self.rng, self.clock = policy, random.Random(seed), Clock()
         self.oracle = oracle
         self.workers = [
-            SimWorker(f"10.0.0.{i}:50061", self.clock, half_life_s, num_slots, backed_first) for i in (1, 2)
+            SimWorker(f"10.0.0.{i}:50061", self.clock, half_life_s, num_slots, backed_first, remember)
+            for i in (1, 2)
         ]
         self.next_round = 0.0
         self.stale_loads_s, self.next_refresh = stale_loads_s, 0.0
@@ -132,7 +138,9 @@ class FleetSim:
         if self.oracle:
             fleet = dict(TRUE_POPULARITY)
         keys = tuple(sorted(w.address for w in self.workers))
+        counted = fleet
         for w in self.workers:
+            fleet = w.memory.merge(counted) if w.memory is not None and not self.oracle else counted
             if self.policy == "free_room_only":
                 ranked = sorted(fleet.items(), key=lambda kv: (-kv[1], kv[0]))
                 room = min(w.cache.room, MAX_PREFETCH)
@@ -313,3 +321,22 @@ def test_a_saturated_router_that_counts_its_own_requests_keeps_adapters_apart() 
     assert stale_twice >= 80 and twice <= 20
     assert share >= stale_share + 0.08  # requests whose adapter was resident
     assert held >= 0.92  # the fleet's holdings: near the two workers' 94 % ceiling
+
+
+def test_the_survivor_of_a_worker_loss_remembers_the_fleets_counts() -> None:
+    """Each worker counts only the requests routed to it, so under complementary placement its own
+    counts know little of the other worker's adapters. When that worker leaves, its published
+    counts go with it; remembering the fleet's counts as last read (`FleetMemory`, decaying at the
+    half-life) lets the survivor, now their home, prefetch the lost worker's popular adapters at
+    once instead of learning them again request by request."""
+    got = {}
+    for remember in (False, True):
+        sim = FleetSim("complementary", seed=1, half_life_s=300.0, num_slots=64, remember=remember)
+        sim.serve(15000)
+        steady = sim.serve(2000)
+        sim.lose_a_worker()
+        got[remember] = steady, sim.serve(600)  # the first 30 s after the loss
+    (steady_forgot, lost_forgot), (steady, lost) = got[False], got[True]
+    assert abs(steady - steady_forgot) <= 0.01  # no cost while the fleet is whole
+    assert lost >= lost_forgot + 0.05
+    assert lost >= 0.78

@@ -208,3 +208,10 @@ def test_two_workers_prefetch_complementary_adapters(harness, shared_coordinator
         h.adapters.ahead.replicate_share = 0.3
         h.sync.share_popularity()
     eventually(lambda: "mlp-rs16" in held(a) and "mlp-rs16" in held(b))
+    # a leaves (a scale-in): its counts and residency go with it. b counted none of a's adapters
+    # (the router sent their requests to a), but remembers what the fleet's counts said of them and,
+    # now the home of every adapter, takes them
+    a.sync.coordinator.release_worker("w-a")
+    b.sync.share_popularity()
+    eventually(lambda: not b.pool.fetcher.flights)
+    assert held(b) == set(names)
