@@ -6,9 +6,10 @@ invalidations that the store check queued, and every `interval_s` writes this wo
 pins, heartbeat and decayed per-adapter request counts, then hands the fleet's summed counts
 (merged with its memory of them, `popularity.FleetMemory`, so a worker that leaves does not take
 what its counts told the fleet with it), live workers and residency (`placement.FleetView`) to
-`on_fleet_popularity` (popularity prefetch). A frozen or unreachable Redis stalls only this thread: the worker keeps serving
-what it holds and its view of the cluster is stale by at most the stall, then reconciles (the
-cursor resumes where it stopped; the Redis coordinator republishes its shadow).
+`on_fleet_popularity` (popularity prefetch). A frozen or unreachable Redis stalls only this
+thread: the worker keeps serving what it holds and its view of the cluster is stale by at most the
+stall, then reconciles (the cursor resumes where it stopped; the Redis coordinator republishes its
+shadow).
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ to make room. Such copies come from traffic, not from placement: under load the 
 request to a less loaded worker that lacks its adapter, which fetches it, and the two copies stay
 while both workers use them. Shedding them turns the room back into different adapters (measured
 through the services: after a saturated phase two workers held ~100 adapters twice, most of the
-top 50). Transient disagreement
-(a worker's heartbeat expiring, residency published a round late) costs at most a duplicate
-fetch: placement is soft state like the rest of the coordination.
+top 50). Transient disagreement (a worker's heartbeat expiring, residency published a round late)
+costs at most a duplicate fetch: placement is soft state like the rest of the coordination.
 """
 
 from __future__ import annotations
