@@ -56,9 +56,12 @@ class FleetView:
         remember: Callable[[dict[str, float]], dict[str, float]] | None = None,
     ) -> FleetView:
         """Popularity, live workers and their residency (coordinator round trips: sync thread).
-        remember: merges the fleet's counts with what was read before (`popularity.FleetMemory`)."""
+        remember: merges the fleet's counts with what was read before (`popularity.FleetMemory`).
+        A read that finds no counts at all (the coordinator unreachable, or nothing counted yet)
+        is not merged: a worker that cannot see the fleet (it then sees no other live worker and
+        would take itself for every adapter's home) does not prefetch from memory alone."""
         popularity = coordinator.fleet_popularity()
-        if remember is not None:
+        if remember is not None and popularity:
             popularity = remember(popularity)
         keys = {hb.worker_id: hb.address or hb.worker_id for hb in coordinator.live_workers()}
         keys[worker_id] = key

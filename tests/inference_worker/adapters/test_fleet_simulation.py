@@ -140,7 +140,8 @@ class FleetSim:
         keys = tuple(sorted(w.address for w in self.workers))
         counted = fleet
         for w in self.workers:
-            fleet = w.memory.merge(counted) if w.memory is not None and not self.oracle else counted
+            remember = w.memory is not None and counted and not self.oracle  # as FleetView.read
+            fleet = w.memory.merge(counted) if remember else counted
             if self.policy == "free_room_only":
                 ranked = sorted(fleet.items(), key=lambda kv: (-kv[1], kv[0]))
                 room = min(w.cache.room, MAX_PREFETCH)

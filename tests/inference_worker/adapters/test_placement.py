@@ -8,6 +8,7 @@ import time
 
 from loraserve.clients.placement import home
 from loraserve.inference_worker.adapters.placement import FleetView, Move, plan_moves
+from loraserve.inference_worker.adapters.popularity import FleetMemory
 from loraserve.inference_worker.coordination import Residency
 from tests.inference_worker.coordination import test_coordinator
 
@@ -87,6 +88,14 @@ def test_fleet_view_reads_live_holders_by_address(coordinator) -> None:
     assert v.popularity == {"a": 2.0, "c": 1.0}
     # its own residency is not read back (the worker's tiers are the truth); the gone one's is ignored
     assert v.holders == {"a": frozenset({WORKERS[1]}), "b": frozenset({WORKERS[1]})}
+    # through a memory: what was read before is kept (decayed), but an empty read (the
+    # coordinator unreachable, or nothing counted) is not merged, so no prefetch acts on memory alone
+    memory = FleetMemory(300.0)
+    memory.merge({"old": 5.0})
+    v = FleetView.read(coordinator, "w1", WORKERS[0], memory.merge)
+    assert set(v.popularity) == {"a", "c", "old"} and v.popularity["a"] == 2.0
+    coordinator.publish_popularity("w2", {}, 30.0)
+    assert FleetView.read(coordinator, "w1", WORKERS[0], memory.merge).popularity == {}
 
 
 def test_a_surplus_copy_is_the_first_to_make_room() -> None:
