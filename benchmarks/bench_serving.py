@@ -60,12 +60,12 @@ def holdings(addresses: Sequence[str]) -> dict[str, dict[str, str]]:
     from loraserve.clients.worker_client import WorkerClient
     from loraserve.v1 import worker_pb2
 
+    tiers = {worker_pb2.ADAPTER_TIER_GPU: "gpu", worker_pb2.ADAPTER_TIER_CPU: "cpu"}
     out = {}
     for address in addresses:
-        with WorkerClient(address) as client:
-            listed = client.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=10)
-        tiers = {worker_pb2.ADAPTER_TIER_GPU: "gpu", worker_pb2.ADAPTER_TIER_CPU: "cpu"}
-        out[address] = {a.adapter_id: tiers[a.tier] for a in listed.adapters if a.tier in tiers}
+        with WorkerClient(address, timeout=10) as client:
+            listed = client.list_adapters()
+        out[address] = {a.adapter_id: tiers[a.tier] for a in listed if a.tier in tiers}
     return out
 
 
@@ -77,7 +77,7 @@ def coverage(held: dict[str, dict[str, str]], ids: Sequence[str], exponent: floa
     how many it holds in a GPU slot and in the CPU tier only; the popularity ranks (0 = the most
     popular) of the adapters held twice."""
     weights = zipf_weights(len(ids), exponent)
-    union = set().union(*held.values()) if held else set()
+    union = set().union(*held.values())
     rank = {aid: i for i, aid in enumerate(ids)}
     twice = sorted(rank.get(aid, -1) for aid in union if sum(aid in h for h in held.values()) > 1)
     share = sum(w for aid, w in zip(ids, weights, strict=True) if aid in union) / sum(weights)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from loraserve.clients.placement import home, rendezvous_order
+from loraserve.clients.placement import home
 from loraserve.inference_worker.coordination import Coordinator
 
 REPLICATE_SHARE = 0.02  # under Zipf 1.0 over 1,000 adapters: the top 6, a third of the requests
@@ -56,12 +56,9 @@ class FleetView:
         remember: Callable[[dict[str, float]], dict[str, float]] | None = None,
     ) -> FleetView:
         """Popularity, live workers and their residency (coordinator round trips: sync thread).
-        remember: merges the fleet's counts with what was read before (`popularity.FleetMemory`).
-        A read that finds no counts at all (the coordinator unreachable, or nothing counted yet)
-        is not merged: a worker that cannot see the fleet (it then sees no other live worker and
-        would take itself for every adapter's home) does not prefetch from memory alone."""
+        remember: merges the fleet's counts with what was read before (`popularity.FleetMemory`)."""
         popularity = coordinator.fleet_popularity()
-        if remember is not None and popularity:
+        if remember is not None:
             popularity = remember(popularity)
         keys = {hb.worker_id: hb.address or hb.worker_id for hb in coordinator.live_workers()}
         keys[worker_id] = key
@@ -105,11 +102,11 @@ def plan_moves(
     def worth(aid: str) -> float:
         """What keeping this worker's CPU-tier copy of `aid` is worth."""
         count, others = view.value(aid), view.holders.get(aid)
-        if others and not hot(count) and rendezvous_order(aid, others | {view.me})[0] != view.me:
+        if others and not hot(count) and home(aid, others | {view.me}) != view.me:
             return 0.0  # a surplus copy: the first holder in rendezvous order keeps it
         return count
 
-    victims = sorted(evictable, key=lambda e: (worth(e[1]), e[0]))  # the least worth first
+    victims = sorted((worth(aid), key) for key, aid in evictable)  # the least worth first
     moves: list[Move] = []
     for aid, count in sorted(view.popularity.items(), key=lambda kv: (-kv[1], kv[0])):
         if len(moves) >= max_moves or count <= 0:
@@ -122,7 +119,7 @@ def plan_moves(
             room -= 1
             moves.append(Move(aid, None))
             continue
-        if not victims or worth(victims[0][1]) >= count:
+        if not victims or victims[0][0] >= count:
             break  # every later candidate is less popular still
-        moves.append(Move(aid, victims.pop(0)[0]))
+        moves.append(Move(aid, victims.pop(0)[1]))
     return moves

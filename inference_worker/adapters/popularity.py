@@ -20,6 +20,13 @@ import time
 from collections.abc import Callable
 
 
+def decay_rate(half_life_s: float) -> float:
+    """Per second, of a count that halves every `half_life_s`."""
+    if not half_life_s > 0:
+        raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+    return math.log(2) / half_life_s
+
+
 class PopularityCounter:
     def __init__(
         self,
@@ -28,10 +35,7 @@ class PopularityCounter:
         max_entries: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not half_life_s > 0:
-            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
-        self.half_life_s = half_life_s
-        self._rate = math.log(2) / half_life_s
+        self.half_life_s, self._rate = half_life_s, decay_rate(half_life_s)
         self._max_entries, self._clock = max_entries, clock
         self._counts: dict[str, tuple[float, float]] = {}  # adapter id -> (value, at)
         self._lock = threading.Lock()
@@ -73,7 +77,12 @@ class FleetMemory:
     adapter, the larger of the fleet's count now and the count last read decayed since: the
     leaving worker's counts fade at the half-life instead of vanishing. (A live worker's decayed
     counts never fall faster than that, except an adapter dropping out of its published top
-    entries, which this keeps too.) Not thread-safe: the coordinator sync thread alone calls it."""
+    entries, which this keeps too.)
+
+    A read that finds no counts at all (the coordinator unreachable, or nothing counted yet) is
+    answered as it is and changes nothing: a worker that cannot see the fleet (it then sees no
+    other live worker and would take itself for every adapter's home) must not prefetch from
+    memory alone. Not thread-safe: the coordinator sync thread alone calls it."""
 
     def __init__(
         self,
@@ -83,17 +92,17 @@ class FleetMemory:
         min_count: float = 0.01,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not half_life_s > 0:
-            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
-        self._rate = math.log(2) / half_life_s
+        self._rate = decay_rate(half_life_s)
         self._max_entries, self._min, self._clock = max_entries, min_count, clock
         self._seen: dict[str, float] = {}
         self._at = 0.0
 
     def merge(self, fleet: dict[str, float]) -> dict[str, float]:
         """The fleet's counts now, each at least its last reading decayed; remembered for next time."""
+        if not fleet:
+            return {}
         now = self._clock()
-        factor = math.exp(-self._rate * (now - self._at)) if self._seen else 1.0
+        factor = math.exp(-self._rate * (now - self._at))
         merged = {a: v * factor for a, v in self._seen.items() if v * factor >= self._min}
         for a, v in fleet.items():
             if v > merged.get(a, 0.0):

@@ -110,6 +110,8 @@ class FleetSim:
         backed_first: bool = True,
         stale_loads_s: float = 0.0,
         remember: bool = True,
+        rate: float = RATE,
+        in_flight_s: float = IN_FLIGHT_S,
     ) -> None:
         """`oracle`: the workers plan from the true popularity instead of their decayed counts;
         `num_slots`: GPU slots per worker; `backed_first`: slots recycled as the worker does
@@ -118,7 +120,8 @@ class FleetSim:
         every this many seconds, blind to its own requests since (the router before it counted
         them); 0: by the loads now (this simulation has one router, which counts all requests);
         `remember`: each worker plans from the fleet's counts merged with its `FleetMemory` (the
-        worker's), else from the live workers' counts alone."""
+        worker's), else from the live workers' counts alone; `rate`: Poisson arrivals a second,
+        each request in flight for `in_flight_s` (the router's load)."""
         self.policy, self.rng, self.clock = policy, random.Random(seed), Clock()
         self.oracle = oracle
         self.workers = [
@@ -126,8 +129,8 @@ class FleetSim:
             for i in (1, 2)
         ]
         self.next_round = 0.0
+        self.rate, self.in_flight_s = rate, in_flight_s
         self.stale_loads_s, self.next_refresh = stale_loads_s, 0.0
-        self.reported = {w.address: 0 for w in self.workers}
 
     def coordinate(self) -> None:
         """One round: every worker publishes its counts, reads the fleet's, prefetches."""
@@ -140,8 +143,7 @@ class FleetSim:
         keys = tuple(sorted(w.address for w in self.workers))
         counted = fleet
         for w in self.workers:
-            remember = w.memory is not None and counted and not self.oracle  # as FleetView.read
-            fleet = w.memory.merge(counted) if remember else counted
+            fleet = w.memory.merge(counted) if w.memory is not None and not self.oracle else counted
             if self.policy == "free_room_only":
                 ranked = sorted(fleet.items(), key=lambda kv: (-kv[1], kv[0]))
                 room = min(w.cache.room, MAX_PREFETCH)
@@ -166,7 +168,7 @@ class FleetSim:
         """Run `num_requests` arrivals; the share whose adapter the serving worker held."""
         hits = 0
         for _ in range(num_requests):
-            self.clock.t += self.rng.expovariate(RATE)
+            self.clock.t += self.rng.expovariate(self.rate)
             while self.clock.t >= self.next_round:
                 self.coordinate()
                 self.next_round += ROUND_S
@@ -174,14 +176,16 @@ class FleetSim:
             for w in self.workers:
                 while w.in_flight and w.in_flight[0] <= self.clock.t:
                     w.in_flight.popleft()
-            if self.clock.t >= self.next_refresh:
-                self.reported = {w.address: len(w.in_flight) for w in self.workers}
+            if not self.stale_loads_s:
+                for w in self.workers:
+                    w.view.load = len(w.in_flight)
+            elif self.clock.t >= self.next_refresh:
+                for w in self.workers:
+                    w.view.load = len(w.in_flight)  # as reported, until the next refresh
                 self.next_refresh = self.clock.t + self.stale_loads_s
-            for w in self.workers:
-                w.view.load = self.reported[w.address] if self.stale_loads_s else len(w.in_flight)
             address = order_workers(aid, [w.view for w in self.workers])[0].address
             w = next(w for w in self.workers if w.address == address)
-            w.in_flight.append(self.clock.t + IN_FLIGHT_S)
+            w.in_flight.append(self.clock.t + self.in_flight_s)
             w.popularity.record(aid)
             if w.holds(aid):
                 hits += 1
@@ -273,10 +277,8 @@ def test_slots_whose_version_the_cpu_tier_holds_are_recycled_first() -> None:
 
 def coverage(sim: FleetSim) -> tuple[float, int]:
     """The Zipf share of requests whose adapter some worker holds, and how many adapters both hold."""
-    a, b = (w.view.cpu for w in sim.workers)
-    held = a | b
-    share = sum(1.0 / (IDS.index(aid) + 1) for aid in held) / _CUMULATIVE[-1]
-    return share, len(a & b)
+    held = sim.workers[0].view.cpu | sim.workers[1].view.cpu
+    return sum(TRUE_POPULARITY[aid] for aid in held) / _CUMULATIVE[-1], sim.duplicates()
 
 
 def test_copies_a_burst_left_on_both_workers_are_shed() -> None:
@@ -306,18 +308,20 @@ def test_a_saturated_router_that_counts_its_own_requests_keeps_adapters_apart() 
     whole period, every request of the worker that read as overloaded to the other one, which
     fetches copies of its adapters: the fleet ends up holding the top adapters twice. Counting its
     own requests between refreshes (`WorkerRouter.routed`) keeps the loads current."""
-    global RATE, IN_FLIGHT_S
-    saved = RATE, IN_FLIGHT_S
-    RATE, IN_FLIGHT_S = 167.0, 0.76
-    try:
-        got = {}
-        for stale in (2.0, 0.0):
-            sim = FleetSim("complementary", seed=4, half_life_s=300.0, num_slots=64, stale_loads_s=stale)
-            sim.serve(10000)
-            share = sim.serve(10000)
-            got[stale] = (share, *coverage(sim))
-    finally:
-        RATE, IN_FLIGHT_S = saved
+    got = {}
+    for stale in (2.0, 0.0):
+        sim = FleetSim(
+            "complementary",
+            seed=4,
+            half_life_s=300.0,
+            num_slots=64,
+            stale_loads_s=stale,
+            rate=167.0,
+            in_flight_s=0.76,
+        )
+        sim.serve(10000)
+        share = sim.serve(10000)
+        got[stale] = (share, *coverage(sim))
     (stale_share, _, stale_twice), (share, held, twice) = got[2.0], got[0.0]
     assert stale_twice >= 80 and twice <= 20
     assert share >= stale_share + 0.08  # requests whose adapter was resident
@@ -334,10 +338,10 @@ def test_the_survivor_of_a_worker_loss_remembers_the_fleets_counts() -> None:
     for remember in (False, True):
         sim = FleetSim("complementary", seed=1, half_life_s=300.0, num_slots=64, remember=remember)
         sim.serve(15000)
-        steady = sim.serve(2000)
+        whole = sim.serve(2000)
         sim.lose_a_worker()
-        got[remember] = steady, sim.serve(600)  # the first 30 s after the loss
-    (steady_forgot, lost_forgot), (steady, lost) = got[False], got[True]
-    assert abs(steady - steady_forgot) <= 0.01  # no cost while the fleet is whole
+        got[remember] = whole, sim.serve(600)  # the first 30 s after the loss
+    (whole_forgot, lost_forgot), (whole, lost) = got[False], got[True]
+    assert abs(whole - whole_forgot) <= 0.01  # no cost while the fleet is whole
     assert lost >= lost_forgot + 0.05
     assert lost >= 0.78

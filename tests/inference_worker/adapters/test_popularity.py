@@ -59,8 +59,11 @@ def test_a_leaving_workers_counts_fade_instead_of_vanishing() -> None:
     clock.t += 10.0
     # a count that grew is taken as it is now; one that fell faster than the decay is held up
     assert memory.merge({"a": 1.0, "c": 5.0}) == pytest.approx({"a": 3.0, "b": 1.0, "c": 5.0})
-    clock.t += 200.0  # everything decays under the floor and is forgotten
+    # an empty read (the coordinator unreachable) is not merged, nor does it change the memory
     assert memory.merge({}) == {}
+    assert memory.merge({"c": 5.0}) == pytest.approx({"a": 3.0, "b": 1.0, "c": 5.0})
+    clock.t += 200.0  # everything decays under the floor and is forgotten
+    assert memory.merge({"d": 1.0}) == {"d": 1.0}
 
 
 def test_fleet_memory_stays_bounded_keeping_the_largest() -> None:
