@@ -354,7 +354,9 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     engines["base"].runner.capture_graphs()
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     variants: dict[str, tuple[LaunchOptions, torch.cuda.Stream | None]] = {"default": (default, None)}
-    if dev.type == "cuda" and pdl_supported(dev):
+    if args.fused_silu_variant:  # the gate | up expand writing the activation at decode sizes too
+        variants["fused_silu_mul=True"] = (dataclasses.replace(default, fused_silu_mul=True), None)
+    if dev.type == "cuda" and pdl_supported(dev) and args.pdl_variants:
         variants[f"pdl={not default.pdl}"] = (dataclasses.replace(default, pdl=not default.pdl), None)
         if default.pdl:  # the shrink launched with PDL too, or not
             flipped = dataclasses.replace(default, pdl_shrink=not default.pdl_shrink)
@@ -443,6 +445,17 @@ def main() -> int:
     ap.add_argument("--peft", action="store_true", help="also time transformers + peft")
     ap.add_argument(
         "--side-stream", action="store_true", help="also a LoRA engine whose shrink runs beside the base GEMM"
+    )
+    ap.add_argument(
+        "--no-pdl-variants",
+        dest="pdl_variants",
+        action="store_false",
+        help="skip the LoRA engines with programmatic dependent launch flipped (a shorter run)",
+    )
+    ap.add_argument(
+        "--fused-silu-variant",
+        action="store_true",
+        help="also a LoRA engine whose gate | up expand writes the activation at every step size",
     )
     ap.add_argument("--peft-tokens", type=int, default=8)
     ap.add_argument("--json", default="")

@@ -172,6 +172,21 @@ def check_expand(
     return offsets
 
 
+def check_silu_mul_out(y: object, out: object) -> int:
+    """add_lora_silu_mul's y [T, 2I] and out [T, I] of y's dtype, on y's device; returns I."""
+    y, out = _tensor("y", y), _tensor("out", out)
+    if y.dim() != 2 or y.shape[1] % 2:
+        raise ValueError(f"y must be [T, 2I] (gate | up), got shape {tuple(y.shape)}")
+    inter = y.shape[1] // 2
+    if tuple(out.shape) != (y.shape[0], inter):
+        raise ValueError(f"out must have shape [T, I]={(y.shape[0], inter)}, got {tuple(out.shape)}")
+    if out.dtype != y.dtype:
+        raise TypeError(f"out dtype {out.dtype} differs from y dtype {y.dtype}")
+    if not out.is_contiguous() or out.device != y.device:
+        raise ValueError("out must be contiguous and on y's device")
+    return inter
+
+
 def check_slice_limit(num_slices: int, max_slices: int) -> None:
     """The Triton expand handles at most `max_slices` slices per module group."""
     if num_slices > max_slices:

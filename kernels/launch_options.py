@@ -35,6 +35,14 @@ class LaunchOptions:
     # B loads of whole 16-byte vectors along the rank (entries past a slot's rank zeroed in
     # registers) instead of element-wise rank masks, which keep the compiler to 2-byte loads.
     b_vector_loads: bool = True
+    # The model's gate | up projection applies its LoRA delta and silu(gate) * up in one expand
+    # (add_lora_silu_mul) instead of add_lora's expand and then the activation kernel: one kernel
+    # and one read and write of the [T, 2I] projection fewer per layer. None: for steps of
+    # FUSED_SILU_MUL_MIN_ROWS rows or more (launch_plan), where it measured faster (H100, 8B
+    # gate | up, per layer: T=2048 one adapter 88 -> 33 us of LoRA work, 32 adapters 113 -> 69;
+    # at decode sizes it was about even, 1 adapter faster and 32 slower). Read by the worker's
+    # LoRA layers (inference_worker/lora/layer.py), not by add_lora.
+    fused_silu_mul: bool | None = None
 
     @classmethod
     def for_device(cls, device: torch.device | str, **overrides: bool | None) -> LaunchOptions:

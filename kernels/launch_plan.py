@@ -9,6 +9,7 @@ column tile over all slices so x is read once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -31,6 +32,11 @@ EXPAND_TILE_ELEMS = 16384  # B elements per expand tile (BLOCK_R x BLOCK_N)
 # summed tile by tile, and the preloading expand, whose first B tile stays live across the s load.
 LOOPED_RANK_TILE_ELEMS = 4096
 PRELOAD_TILE_ELEMS = 8192
+# add_lora_silu_mul's expand: output columns per tile (16-bit types; halved for fp32), and the
+# step size from which the model uses it (measured, benchmarks/results/overhead.md, 2026-11-28)
+PAIR_DECODE_BLOCK_N = 64
+PAIR_PREFILL_BLOCK_N = 32
+FUSED_SILU_MUL_MIN_ROWS = 1024
 SHRINK_SMEM_BYTES = 110 * 1024  # decode shrink pipeline stages fit in this: two programs per SM
 PREFILL_SHRINK_SMEM_BYTES = 160 * 1024
 SINGLE_RANK_TILE = 128  # buffers up to this rank keep the whole s row tile in registers
@@ -158,3 +164,25 @@ def plan_expand(
         preload=preload,
         b_vec=b_vec,
     )
+
+
+def fuse_silu_mul_pays(num_tokens: int) -> bool:
+    """Whether add_lora_silu_mul measured faster than add_lora and then the activation kernel for
+    a step of `num_tokens` rows (LaunchOptions.fused_silu_mul=None)."""
+    return num_tokens >= FUSED_SILU_MUL_MIN_ROWS
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_expand_pair(
+    num_tokens: int, max_rank: int, elem_size: int, *, b_vector_loads: bool = True
+) -> ExpandPlan:
+    """The expand of two slices at once (add_lora_silu_mul: gate and up): plan_expand's row tiles
+    with narrow output tiles. It holds two B tiles and prefetches two y tiles; wide tiles spill or
+    keep too few programs per multiprocessor, and narrow ones measured fastest (H100,
+    benchmarks/bench_fused_silu.py: 64 columns at decode sizes, 32 at prefill sizes, 4 warps)."""
+    plan = plan_expand(num_tokens, max_rank, elem_size, b_vector_loads=b_vector_loads)
+    block_n = PAIR_DECODE_BLOCK_N if plan.block_m == 16 else PAIR_PREFILL_BLOCK_N
+    # 4 warps were measured (16-bit, rank 16); other decode tiles keep ptxas (Triton 3.6) off
+    # the stack with 8 (tests/kernels/test_sgmv_compile.py, under both Triton versions)
+    num_warps = 8 if plan.block_m == 16 and (elem_size != 2 or plan.block_r > 16) else 4
+    return dataclasses.replace(plan, block_n=block_n * 2 // elem_size, num_warps=num_warps)

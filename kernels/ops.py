@@ -15,7 +15,13 @@ import torch
 
 from loraserve.kernels import reference
 from loraserve.kernels.batch import LoRABatch
-from loraserve.kernels.checks import check_add_lora, check_expand, check_shrink, check_slice_limit
+from loraserve.kernels.checks import (
+    check_add_lora,
+    check_expand,
+    check_shrink,
+    check_silu_mul_out,
+    check_slice_limit,
+)
 from loraserve.kernels.launch_options import LaunchOptions
 
 BACKENDS = ("triton", "reference")
@@ -95,3 +101,28 @@ def add_lora(
     if impl is not reference:
         check_slice_limit(num_slices, impl.MAX_SLICES)
     return impl.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, buffer, options=options)
+
+
+def add_lora_silu_mul(
+    y: torch.Tensor,  # [T, 2I] gate | up of the base projection (read, not modified)
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [L, 2, R, in]
+    lora_b: torch.Tensor,  # [L, 2I, R]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    out: torch.Tensor,  # [T, I], y's dtype
+    buffer: torch.Tensor | None = None,  # fp32 workspace; default batch.workspace
+    *,
+    backend: str | None = None,
+    options: LaunchOptions | None = None,
+) -> torch.Tensor:
+    """Semantics: out = silu(g) * u where g | u = y + add_lora's delta (slices [0, I) and [I, 2I)),
+    each rounded to y's dtype, silu computed in float32 and rounded before the product: what
+    add_lora followed by a silu-and-multiply computes, with y left as it was. The Triton backend
+    does it in one pass over y after the shrink (the expand writes the activation), so the model's
+    MLP saves a kernel and a read and write of y per layer. Same `options` contract as add_lora.
+    Returns out."""
+    impl = _backend(x, backend)
+    inter = check_silu_mul_out(y, out)
+    check_add_lora(y, x, lora_a, lora_b, ranks, batch, [0, inter, 2 * inter])
+    return impl.add_lora_silu_mul(y, x, lora_a, lora_b, ranks, batch, out, buffer, options=options)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 
 import torch
+from torch.nn import functional as F
 
 from loraserve.kernels.batch import LoRABatch
 from loraserve.kernels.launch_options import LaunchOptions
@@ -64,6 +65,26 @@ def add_lora(
     _shrink(x, lora_a, rank_list, rows_by_slot, s)
     _expand(s, lora_b, rank_list, rows_by_slot, list(slice_offsets), y)
     return y
+
+
+def add_lora_silu_mul(
+    y: torch.Tensor,  # [T, 2I] gate | up
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [L, 2, R, in]
+    lora_b: torch.Tensor,  # [L, 2I, R]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    out: torch.Tensor,  # [T, I]
+    buffer: torch.Tensor | None = None,
+    options: LaunchOptions | None = None,
+) -> torch.Tensor:
+    """Semantics: out = silu(g) * u, with g | u = y + add_lora's delta rounded to y's dtype (y itself
+    is not modified); silu in float32, rounded to y's dtype before the product. Returns out."""
+    inter = out.shape[1]
+    z = add_lora(y.clone(), x, lora_a, lora_b, ranks, batch, [0, inter, 2 * inter])
+    gate, up = z.split(inter, dim=-1)
+    out.copy_(F.silu(gate.float()).to(z.dtype) * up)
+    return out
 
 
 def _shrink(

@@ -21,10 +21,11 @@ from loraserve.kernels.launch_plan import (
     ExpandPlan,
     ShrinkPlan,
     plan_expand,
+    plan_expand_pair,
     plan_shrink,
     preload_keeps_tile,
 )
-from loraserve.kernels.sgmv import expand_kernel, shrink_kernel
+from loraserve.kernels.sgmv import expand_kernel, expand_silu_mul_kernel, shrink_kernel
 
 
 @functools.cache
@@ -209,22 +210,18 @@ def lora_expand(
     return y
 
 
-def add_lora(
-    y: torch.Tensor,
+def _shrink_first(
     x: torch.Tensor,
     lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
     ranks: torch.Tensor,
     batch: LoRABatch,
-    slice_offsets: Sequence[int],
-    buffer: torch.Tensor | None = None,
-    options: LaunchOptions | None = None,
-) -> torch.Tensor:
+    buffer: torch.Tensor | None,
+    options: LaunchOptions,
+) -> tuple[ShrinkPlan, torch.Tensor, bool, bool, int]:
+    """Launch the shrink of an add_lora-style op into its workspace; -> (its plan, the partials,
+    pdl, pdl_shrink, multiprocessors) for the expand that follows."""
     num_tokens = x.shape[0]
     _, num_slices, max_rank, _ = lora_a.shape
-    offsets = list(slice_offsets)
-    if num_tokens == 0:
-        return y
     workspace = batch.workspace if buffer is None else buffer
     if (
         not isinstance(workspace, torch.Tensor)
@@ -243,10 +240,30 @@ def add_lora(
         )
     shrink = plan_shrink(num_tokens, num_slices, max_rank, x.shape[1], x.element_size(), max_split, num_sms)
     part = workspace[: shrink.max_split * per_split]
-    options = options if options is not None else LaunchOptions()
     pdl = options.pdl is not False and pdl_supported(x.device)  # None: on where supported
     pdl_shrink = pdl and options.pdl_shrink
     _launch_shrink(x, lora_a, ranks, batch, part, shrink, num_sms, pdl, pdl_shrink)
+    return shrink, part, pdl, pdl_shrink, num_sms
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],
+    buffer: torch.Tensor | None = None,
+    options: LaunchOptions | None = None,
+) -> torch.Tensor:
+    num_tokens = x.shape[0]
+    max_rank = lora_a.shape[2]
+    offsets = list(slice_offsets)
+    if num_tokens == 0:
+        return y
+    options = options if options is not None else LaunchOptions()
+    shrink, part, pdl, pdl_shrink, num_sms = _shrink_first(x, lora_a, ranks, batch, buffer, options)
     preload = options.expand_preload
     if preload is None:
         preload = pdl and num_tokens < PREFILL_ROWS and preload_keeps_tile(max_rank, y.element_size())
@@ -257,6 +274,65 @@ def add_lora(
         part, shrink, x.shape[1], lora_b, ranks, batch, offsets, y, expand, num_sms, pdl, not pdl_shrink
     )
     return y
+
+
+def add_lora_silu_mul(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    batch: LoRABatch,
+    out: torch.Tensor,
+    buffer: torch.Tensor | None = None,
+    options: LaunchOptions | None = None,
+) -> torch.Tensor:
+    num_tokens = x.shape[0]
+    max_rank = lora_a.shape[2]
+    if num_tokens == 0:
+        return out
+    options = options if options is not None else LaunchOptions()
+    shrink, part, pdl, _, num_sms = _shrink_first(x, lora_a, ranks, batch, buffer, options)
+    plan = plan_expand_pair(num_tokens, max_rank, y.element_size(), b_vector_loads=options.b_vector_loads)
+    inter = out.shape[1]
+    n_tiles = -(-inter // plan.block_n)
+    items = (
+        max_work_items(num_tokens, batch.max_loras, plan.block_m) + -(-num_tokens // plan.block_m)
+    ) * n_tiles
+    grid = (max(1, min(items, num_sms * PROGRAMS_PER_SM)),)
+    expand_silu_mul_kernel[grid](
+        part,
+        lora_b,
+        ranks,
+        y,
+        out,
+        *_work(batch, plan.block_m),
+        batch.sorted_rows,
+        batch.slot_starts[batch.max_loras :],
+        num_tokens,
+        inter,
+        max_rank,
+        EXPAND_TARGET_PER_SM * num_sms,
+        shrink.col_tiles,
+        x.shape[1],
+        shrink.target_items,
+        shrink.max_split,
+        SHRINK_BLOCK_K=shrink.block_k,
+        MAX_SPLIT=shrink.max_split,
+        MAX_CHUNK_TILES=plan.max_chunk_tiles,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_R=plan.block_r,
+        SINGLE_R=plan.single_r,
+        IEEE=y.dtype == torch.float32,
+        I64=_needs_i64(part, lora_b, y),
+        B_VEC=plan.b_vec,
+        WAIT_PRIOR=pdl,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return out
 
 
 def _needs_i64(*tensors: torch.Tensor) -> bool:

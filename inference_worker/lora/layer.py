@@ -17,6 +17,7 @@ import torch
 
 from loraserve import kernels
 from loraserve.inference_worker.lora.slots import LoRASlots
+from loraserve.kernels.launch_plan import fuse_silu_mul_pays
 
 
 def worker_launch_options(device: torch.device | str) -> kernels.LaunchOptions:
@@ -68,6 +69,23 @@ class LoRALayer:
             return
         kernels.add_lora(
             y, x, self.lora_a, self.lora_b, self.ranks, lora, self.slice_offsets, options=self.options
+        )
+
+    def fuses_silu_mul(self, num_tokens: int) -> bool:
+        """Whether `silu_mul` serves this layer for a step of `num_tokens` rows: a gate | up pair,
+        no side stream, and the option on (None: where it measured faster, launch_plan)."""
+        if self.side_stream is not None or len(self.slice_offsets) != 3:
+            return False
+        fuse = self.options.fused_silu_mul
+        return fuse_silu_mul_pays(num_tokens) if fuse is None else fuse
+
+    def silu_mul(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch) -> torch.Tensor:
+        """For the gate | up group (where `fuses_silu_mul`): silu(gate) * up of y plus each row's delta,
+        y left as it was (kernels.add_lora_silu_mul: one expand that writes the activation). Same
+        ordering contract as `finish`."""
+        out = torch.empty((y.shape[0], y.shape[1] // 2), dtype=y.dtype, device=y.device)
+        return kernels.add_lora_silu_mul(
+            y, x, self.lora_a, self.lora_b, self.ranks, lora, out, options=self.options
         )
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch) -> None:

@@ -6,6 +6,7 @@ step's `LoRABatch`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -58,6 +59,18 @@ class GroupedLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         self.lora.finish(x, y, batch.lora, begun)
         return y
+
+    def silu_mul(
+        self, x: torch.Tensor, batch: ForwardBatch, activation: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """activation(forward(x)) of a gate | up projection, activation = silu(gate) * up: where
+        the LoRA object fuses its delta into the activation (`fuses_silu_mul`), one kernel does
+        both after the base GEMM and `activation` is not called."""
+        fuses = getattr(self.lora, "fuses_silu_mul", None)
+        if batch.lora is not None and fuses is not None and fuses(x.shape[0]):
+            y = F.linear(x, self.weight, self.bias)
+            return self.lora.silu_mul(x, y, batch.lora)  # type: ignore[union-attr]
+        return activation(self.forward(x, batch))
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, group={self.group}, in={self.in_features}, out={self.out_sizes}"

@@ -85,11 +85,11 @@ class MLP(nn.Module):
         self.fused = use_fused_kernels(device)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate_up = self.gate_up(x, batch)  # [T, 2I]
-        if self.fused:
+        if self.fused:  # [T, 2I] -> [T, I] in one kernel, with the LoRA delta where it fuses
             from loraserve.inference_worker.model.fused_ops import silu_mul
 
-            return self.down(silu_mul(gate_up), batch)
+            return self.down(self.gate_up.silu_mul(x, batch, silu_mul), batch)
+        gate_up = self.gate_up(x, batch)  # [T, 2I]
         gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
         return self.down(F.silu(gate) * up, batch)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.kernels import LaunchOptions, LoRABatch, add_lora, lora_expand, lora_shrink
+from loraserve.kernels import LaunchOptions, LoRABatch, add_lora, add_lora_silu_mul, lora_expand, lora_shrink
 from tests.helpers.lora_formula import lora_delta64, shrink64
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -47,6 +47,12 @@ CASES: tuple[Case, ...] = (
     Case("zero-rows", 0, 32, (16, 8), 8, (8, 8), "random", max_tokens=8),
     Case("prefill-long-segments", 560, 40, (24, 8), 16, (16, 5, 12), "mixed-base"),
     Case("prefill-wide-rank", 530, 20, (16, 8, 8), 100, (100, 7, 64), "mixed-base"),
+    # gate | up pairs (two equal slices): add_lora_silu_mul runs on these too
+    Case("gate-up-pairs", 29, 40, (24, 24), 16, (16, 3, 0, 9), "random"),
+    Case("gate-up-split-k", 5, 700, (40, 40), 8, (8, 6), "one"),
+    Case("gate-up-rank-over-128", 6, 24, (20, 20), 136, (136, 70), "random"),
+    Case("gate-up-prefill", 530, 24, (16, 16), 16, (16, 5, 12), "mixed-base"),
+    Case("gate-up-base-only", 9, 16, (12, 12), 8, (8,), "base"),
 )
 
 
@@ -73,7 +79,7 @@ def _garbage_past_rank(tensor: torch.Tensor, ranks: tuple[int, ...], rank_dim: i
         view.fill_(float("nan"))
 
 
-PATHS = ("shrink", "expand", "add_lora")
+PATHS = ("shrink", "expand", "add_lora", "silu_mul")  # silu_mul: cases of a gate | up pair only
 
 
 def run_case(
@@ -133,6 +139,50 @@ def run_case(
         y = y0.clone().to(device)
         add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, backend=backend, options=options)
         failures += _check_y("add_lora", y.cpu(), y0, ref_delta, lora_rows, base_rows, tol)
+
+    if "silu_mul" in paths and num_slices == 2 and case.widths[0] == case.widths[1]:
+        failures += _check_silu_mul(case, y0, ref_delta, x, lora_a, lora_b, ranks, batch, backend, options)
+    return failures
+
+
+def silu_mul64(z: torch.Tensor, inter: int) -> torch.Tensor:
+    gate, up = z[:, :inter], z[:, inter:]
+    return gate * torch.sigmoid(gate) * up
+
+
+def _check_silu_mul(
+    case: Case,
+    y0: torch.Tensor,
+    ref_delta: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    ranks: torch.Tensor,
+    batch: LoRABatch,
+    backend: str | None,
+    options: LaunchOptions | None,
+) -> list[str]:
+    """Every output element poisoned first; y must come back untouched; the result within the
+    dtype's tolerance of the float64 formula on y + delta, and (where y's own rounding decides) of
+    the same formula on y + delta rounded to y's dtype."""
+    inter = case.widths[0]
+    dtype = y0.dtype
+    y = y0.clone().to(x.device)
+    out = torch.full((case.num_tokens, inter), float("nan"), dtype=dtype, device=x.device)
+    add_lora_silu_mul(y, x, lora_a, lora_b, ranks, batch, out, backend=backend, options=options)
+    failures = []
+    if not torch.equal(y.cpu(), y0):
+        failures.append("silu_mul: y was modified")
+    got = out.cpu().double()
+    if torch.isnan(got).any():
+        failures.append("silu_mul: output left unwritten (NaN)")
+        return failures
+    want = silu_mul64(y0.double() + ref_delta, inter)
+    want_rounded = silu_mul64((y0.double() + ref_delta).to(dtype).double(), inter)
+    tol = TOLERANCE[dtype]
+    err = min(_rel(got, want), _rel(got, want_rounded)) if case.num_tokens else 0.0
+    if not err <= 2 * tol:
+        failures.append(f"silu_mul: relative error {err:.2e}")
     return failures
 
 

@@ -107,3 +107,47 @@ def test_prepare_kernel_compiles(monkeypatch, max_loras) -> None:
     batch.prepare(torch.zeros(100, dtype=torch.int32), use_triton=True)
     ((kernel, args, kwargs),) = launches
     assert compile_launch(kernel, args, kwargs).asm["cubin"]
+
+
+# (rows, in, intermediate, buffer rank, dtype) of add_lora_silu_mul: the gate | up group of the 8B
+# and 1B shapes at decode and prefill sizes, a rank that loops over s, fp32.
+PAIR_SHAPES = [
+    (64, 4096, 14336, 16, torch.bfloat16),
+    (64, 2048, 8192, 32, torch.bfloat16),
+    (64, 4096, 14336, 8, torch.float16),
+    (2048, 4096, 14336, 16, torch.bfloat16),
+    (2048, 4096, 14336, 32, torch.bfloat16),
+    (2048, 4096, 14336, 64, torch.float16),
+    (64, 4096, 14336, 64, torch.float16),
+    (7, 2048, 8192, 256, torch.bfloat16),
+    (600, 2048, 8192, 256, torch.bfloat16),
+    (33, 72, 40, 8, torch.float32),
+    (600, 72, 40, 16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("mode", ["plain", "pdl", "pdl-shrink"])
+@pytest.mark.parametrize(
+    "shape", PAIR_SHAPES, ids=[f"T{s[0]}-I{s[2]}-r{s[3]}-{TYPES[s[4]]}" for s in PAIR_SHAPES]
+)
+def test_silu_mul_expand_compiles_for_hopper(monkeypatch, shape, mode) -> None:
+    pdl, pdl_shrink = PDL_MODES[mode]
+    num_tokens, din, inter, max_rank, dtype = shape
+    launches = record_launches(monkeypatch, triton_ops, "shrink_kernel", "expand_silu_mul_kernel")
+    monkeypatch.setattr(triton_ops, "pdl_supported", lambda device: True)
+    y, x, lora_a, lora_b, ranks, _ = _group(num_tokens, 2, din, inter, max_rank, dtype)
+    out = torch.zeros(num_tokens, inter, dtype=dtype)
+    batch = LoRABatch.allocate(num_tokens, 4, "cpu", max_slices=2, max_rank=max_rank)
+    batch.prepare(torch.zeros(num_tokens, dtype=torch.int32))
+    options = LaunchOptions(pdl=pdl, pdl_shrink=pdl_shrink)
+    triton_ops.add_lora_silu_mul(y, x, lora_a, lora_b, ranks, batch, out, options=options)
+    assert len(launches) == 2
+    kernel, args, kwargs = launches[1]
+    assert kernel is triton_ops.expand_silu_mul_kernel.kernel
+    assert kwargs.get("launch_pdl", False) == pdl
+    compiled = compile_launch(kernel, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    use = resources(compiled.asm["cubin"])
+    assert use["STACK"] == 0 and use["LOCAL"] == 0, (kwargs, use)
+    assert ("griddepcontrol.wait" in ptx) == pdl
+    assert "griddepcontrol.launch_dependents" not in ptx

@@ -38,6 +38,28 @@ def payload_from_peft(adapter_dir, base_config: dict, dtype: str):
     )
 
 
+def every_adapter_loaded(model, tiny_model_dir, lora_adapter_root, base_config, max_num_batched_tokens: int):
+    """The worker's adapters for `model` with every adapter of ADAPTER_SPECS in a slot: (adapters,
+    the AdaptersRunning to close)."""
+    from loraserve.inference_worker.builder import build_adapters
+    from loraserve.inference_worker.config import WorkerConfig
+    from tests.helpers.adapter_sources import AdaptersRunning, PayloadSource
+
+    config = WorkerConfig(
+        model=str(tiny_model_dir),
+        max_loras=len(ADAPTER_SPECS),
+        max_lora_rank=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    source = PayloadSource(
+        payload_from_peft(lora_adapter_root / name, base_config, "bfloat16") for name in ADAPTER_SPECS
+    )
+    adapters = build_adapters(config, model, source)
+    running = AdaptersRunning(adapters)
+    running.load(ADAPTER_SPECS)
+    return adapters, running
+
+
 def test_device_slots_hold_the_payload(lora_adapter_root, base_config):
     from loraserve.inference_worker.lora import LoRASlots
 
@@ -54,23 +76,12 @@ def test_device_slots_hold_the_payload(lora_adapter_root, base_config):
 
 
 def test_graph_replays_apply_each_rows_adapter(tiny_model_dir, lora_adapter_root, base_config):
-    from loraserve.inference_worker.builder import build_adapters
-    from loraserve.inference_worker.config import WorkerConfig
     from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
     from loraserve.inference_worker.engine.sequence import SamplingParams
     from loraserve.inference_worker.model.loader import load_model, load_tokenizer
-    from tests.helpers.adapter_sources import AdaptersRunning, PayloadSource
 
     model = load_model(tiny_model_dir, torch.bfloat16, "cuda")
-    config = WorkerConfig(
-        model=str(tiny_model_dir), max_loras=len(ADAPTER_SPECS), max_lora_rank=16, max_num_batched_tokens=256
-    )
-    source = PayloadSource(
-        payload_from_peft(lora_adapter_root / name, base_config, "bfloat16") for name in ADAPTER_SPECS
-    )
-    adapters = build_adapters(config, model, source)
-    running = AdaptersRunning(adapters)
-    running.load(ADAPTER_SPECS)
+    adapters, running = every_adapter_loaded(model, tiny_model_dir, lora_adapter_root, base_config, 256)
     names = ["", *ADAPTER_SPECS]
 
     def run(graphs: bool) -> list[list[int]]:
@@ -154,3 +165,115 @@ def test_shrink_beside_the_base_gemm_matches_add_lora(lora_adapter_root, base_co
             torch.cuda.synchronize()
             torch.testing.assert_close(replayed, want, rtol=2e-2, atol=2e-2)
             assert (want.float() - y0.float()).abs().max() > 0  # some adapter touches every group
+
+
+@pytest.mark.parametrize("repeats", [8, 136])  # 64 rows (decode tiles), 1,088 (prefill tiles)
+def test_fused_silu_mul_matches_add_lora_then_the_activation(lora_adapter_root, base_config, repeats):
+    """The gate | up LoRA layer's fused expand (LoRALayer.silu_mul, the worker's launch options:
+    both kernels PDL-launched right after the base GEMM that writes y) gives what add_lora and then
+    the model's silu_mul kernel give, eagerly and replayed from a CUDA graph, and leaves y as it
+    was; rows of every kind (three adapters, base rows) in one batch."""
+    import dataclasses
+
+    from loraserve.contract.adapter_layout import GROUPS, group_dims
+    from loraserve.inference_worker.lora import LoRALayer, LoRASlots
+    from loraserve.inference_worker.lora.layer import worker_launch_options
+    from loraserve.inference_worker.model.fused_ops import silu_mul
+    from loraserve.kernels import LoRABatch
+
+    slots = LoRASlots(base_config, 4, 16, torch.bfloat16, "cuda")
+    for slot, name in enumerate(["qv-r8", "patterned", "mlp-rs16"]):
+        slots.load(slot + 1, payload_from_peft(lora_adapter_root / name, base_config, "bfloat16"))
+    token_slots = torch.tensor([1, -1, 2, 3, 1, 3, -1, 2] * repeats, dtype=torch.int32, device="cuda")
+    batch = LoRABatch.allocate(len(token_slots), 4, "cuda", max_slices=3, max_rank=16)
+    batch.prepare(token_slots)
+    (group,) = [g for g in GROUPS if g.name == "gate_up"]
+    n_in, outs = group_dims(base_config, group)
+    options = dataclasses.replace(worker_launch_options("cuda"), fused_silu_mul=True)
+    for layer in range(2):
+        fused = LoRALayer(slots, layer, "gate_up", options)
+        assert fused.fuses_silu_mul(len(token_slots))
+        x = torch.randn(len(token_slots), n_in, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(sum(outs), n_in, device="cuda") * n_in**-0.5).to(torch.bfloat16)
+        y = torch.nn.functional.linear(x, w)
+        want_y = y.clone()
+        LoRALayer(slots, layer, "gate_up").apply(x, want_y, batch)
+        want = silu_mul(want_y)
+        base = silu_mul(y)
+        y_before = y.clone()
+        got = fused.silu_mul(x, torch.nn.functional.linear(x, w), batch)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph = torch.nn.functional.linear(x, w)
+            replayed = fused.silu_mul(x, y_graph, batch)
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(replayed, want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(y_graph, y_before, rtol=0, atol=0)  # y itself untouched
+        rows = (token_slots >= 0).nonzero().flatten()
+        assert (got[rows].float() - base[rows].float()).abs().max() > 0  # the adapters changed it
+        plain = (token_slots < 0).nonzero().flatten()
+        assert torch.equal(got[plain], base[plain])  # base rows: exactly the plain activation
+
+
+def test_a_long_prefill_step_fuses_the_gate_up_delta_and_matches_peft(
+    tiny_model_dir, lora_adapter_root, base_config
+):
+    """A prefill step of more than FUSED_SILU_MUL_MIN_ROWS rows runs the gate | up group through
+    add_lora_silu_mul (the default launch options), and each row's logits still match
+    transformers + peft for its adapter, and those of a LoRA engine with the fusion off."""
+    import dataclasses
+
+    from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
+    from loraserve.inference_worker.model.loader import load_model, load_tokenizer
+    from loraserve.kernels import triton_ops
+    from loraserve.kernels.launch_plan import FUSED_SILU_MUL_MIN_ROWS
+
+    model = load_model(tiny_model_dir, torch.bfloat16, "cuda")
+    names = ["", "mlp-rs16", "all-r4"]
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(400)]
+    assert len(names) * len(prompt) >= FUSED_SILU_MUL_MIN_ROWS
+    adapters, running = every_adapter_loaded(model, tiny_model_dir, lora_adapter_root, base_config, 2048)
+    fused_launches = []
+    real = triton_ops.expand_silu_mul_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            fused_launches.append(grid)
+            return real[grid]
+
+    def logits() -> torch.Tensor:
+        engine = LLMEngine(
+            model,
+            load_tokenizer(tiny_model_dir),
+            EngineConfig(num_blocks=256, max_num_batched_tokens=2048, use_cuda_graphs=False),
+            adapters,
+        )
+        fused_launches.clear()  # whatever the engine ran while it was built
+        return prefill_logits(engine, [(n, prompt) for n in names]).double().cpu()
+
+    try:
+        triton_ops.expand_silu_mul_kernel = Counting()
+        fused = logits()
+        triton_ops.expand_silu_mul_kernel = real
+        assert len(fused_launches) == base_config["num_hidden_layers"]  # once per layer
+        for module in model.grouped_linears().values():
+            if module.lora is not None:
+                module.lora.options = dataclasses.replace(module.lora.options, fused_silu_mul=False)
+        unfused = logits()
+    finally:
+        triton_ops.expand_silu_mul_kernel = real
+        for module in model.grouped_linears().values():
+            if module.lora is not None:
+                module.lora.options = dataclasses.replace(module.lora.options, fused_silu_mul=None)
+        running.close()
+    torch.testing.assert_close(fused, unfused, rtol=2e-2, atol=2e-2)
+    for name, got in zip(names, fused, strict=True):
+        ref = peft_reference(tiny_model_dir, lora_adapter_root / name if name else None, prompt, 1)[
+            1
+        ].double()
+        err = ((got - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, f"adapter {name!r}: relative error {err:.2e} against peft"
+    assert (fused[1] - fused[0]).abs().max() > 1e-2  # the gate | up adapter matters

@@ -145,3 +145,56 @@ def test_payload_inside_a_larger_buffer(config):
     for g in a.a_all:
         assert torch.equal(a.a_all[g], b.a_all[g]) and torch.equal(a.b_all[g], b.b_all[g])
     assert a.a_all["qkv"].abs().sum() > 0
+
+
+def test_gate_up_silu_mul_applies_the_delta_before_the_activation(config):
+    """GroupedLinear.silu_mul with a LoRA layer that fuses (forced on: CPU runs the reference op)
+    gives what forward and then silu(gate) * up give; where the layer does not fuse (the default
+    at decode sizes, or the option off) it runs exactly that."""
+    import dataclasses
+
+    from loraserve.inference_worker.model.forward_batch import ForwardBatch
+    from loraserve.inference_worker.model.linear import GroupedLinear
+    from loraserve.kernels import LaunchOptions
+    from loraserve.kernels.launch_plan import FUSED_SILU_MUL_MIN_ROWS
+
+    slots = LoRASlots(config, max_loras=4, max_rank=16, dtype=torch.float32, device="cpu")
+    slots.load(1, payload_of(random_adapter(config, {"gate_proj": 4, "up_proj": 8}, seed=3), config, "a1"))
+    slots.load(2, payload_of(random_adapter(config, {"up_proj": 5}, seed=4), config, "a2"))
+    token_slots = torch.tensor([1, -1, 2, 1, 2, -1, 1], dtype=torch.int32)
+    lora = LoRABatch.allocate(8, 4, "cpu", max_slices=3, max_rank=16)
+    lora.prepare(token_slots)
+    n_in, outs = group_dims(config, next(g for g in GROUPS if g.name == "gate_up"))
+    inter = outs[0]
+    linear = GroupedLinear(0, "gate_up", n_in, list(outs), False, torch.float32, "cpu")
+    linear.weight.copy_(torch.randn(sum(outs), n_in, generator=torch.Generator().manual_seed(1)) * 0.1)
+    x = torch.randn(len(token_slots), n_in, generator=torch.Generator().manual_seed(2))
+    empty = torch.empty(0, dtype=torch.int32)
+    batch = ForwardBatch(x, empty, empty, empty, empty, empty, token_slots, lora=lora)
+    calls: list[int] = []
+
+    def activation(y: torch.Tensor) -> torch.Tensor:
+        calls.append(y.shape[0])
+        gate, up = y.split(inter, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    layer = LoRALayer(slots, 0, "gate_up")
+    linear.lora = layer
+    want = activation(linear(x, batch))
+    plain = activation(torch.nn.functional.linear(x, linear.weight))
+    assert not layer.fuses_silu_mul(len(token_slots))  # the default at a decode-sized step
+    assert layer.fuses_silu_mul(FUSED_SILU_MUL_MIN_ROWS)
+    calls.clear()
+    torch.testing.assert_close(linear.silu_mul(x, batch, activation), want, rtol=0, atol=0)
+    assert calls == [len(token_slots)]  # not fused: forward, then the activation
+    layer.options = dataclasses.replace(LaunchOptions(), fused_silu_mul=True)
+    calls.clear()
+    got = linear.silu_mul(x, batch, activation)
+    assert calls == []  # fused: the op made the activation itself
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (got - plain)[token_slots >= 0].abs().max() > 1e-3  # the adapters changed those rows
+    torch.testing.assert_close(got[token_slots < 0], plain[token_slots < 0], rtol=1e-6, atol=1e-7)
+    layer.options = dataclasses.replace(LaunchOptions(), fused_silu_mul=False)
+    assert not layer.fuses_silu_mul(FUSED_SILU_MUL_MIN_ROWS)
+    o_layer = LoRALayer(slots, 0, "o", dataclasses.replace(LaunchOptions(), fused_silu_mul=True))
+    assert not o_layer.fuses_silu_mul(FUSED_SILU_MUL_MIN_ROWS)  # one slice: nothing to fuse with

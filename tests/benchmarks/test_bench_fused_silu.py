@@ -1,0 +1,28 @@
+"""benchmarks/bench_fused_silu.py runs as a script (its imports resolve from any directory); on a
+machine without CUDA it says that it needs one and exits 2 instead of failing somewhere inside."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from tests.helpers.benchmark_scripts import BENCHMARKS, run_script
+
+
+def test_help_lists_the_sweep_option(tmp_path) -> None:
+    done = run_script("bench_fused_silu.py", "--help", timeout=120, cwd=tmp_path)
+    assert "--tiles" in done.stdout and "--tokens" in done.stdout
+
+
+def test_without_cuda_it_says_so() -> None:
+    if torch.cuda.is_available():
+        return  # the GPU run is the benchmark itself
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_fused_silu.py"), "--tokens", "64"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
