@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -42,6 +43,8 @@ from loraserve.inference_worker.errors import (
 )
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.inference_worker.lora.slots import LoRASlots, SlotLoadError
+
+KEPT_OUT_MAX = 4096  # unloaded adapter ids remembered as kept out of prefetch
 
 
 class AdapterPool:
@@ -77,6 +80,9 @@ class AdapterPool:
         self.wanted: dict[str, int] = {}
         self.queue_pos: dict[int, int] = {}
         self.popularity = PopularityCounter(popularity_half_life_s)
+        # adapters an operator unloaded here: popularity prefetch leaves them out until a request
+        # for one arrives or it is pinned (oldest forgotten past KEPT_OUT_MAX)
+        self.kept_out: OrderedDict[str, None] = OrderedDict()
         self._stats: dict[str, AdapterStats] = {}
         lookups = self.metrics.lookups
         self._lookup_gpu, self._lookup_cpu, self._lookup_miss = (
@@ -96,6 +102,8 @@ class AdapterPool:
             failed = self.fetcher.take_failure(seq_key)
             if failed is not None:
                 raise failed
+            if self.kept_out:
+                self.kept_out.pop(ref.adapter_id, None)  # asked for again: prefetch may hold it
             key = self.versions.resolve(ref)
             if key is not None:
                 s = self.tiers.table.lookup(key)
@@ -182,8 +190,10 @@ class AdapterPool:
             return "cpu" if key in self.tiers.cpu else "store"
 
     async def ensure_cpu(self, ref: AdapterRef) -> str:
-        """Fetch into the CPU tier unless a tier already holds the version; its version key."""
+        """Fetch into the CPU tier unless a tier already holds the version; its version key (an
+        operator's LoadAdapter: the adapter is no longer kept out of prefetch)."""
         with self.lock:
+            self.kept_out.pop(ref.adapter_id, None)
             key = self.versions.resolve(ref)
             if key is not None and self.tiers.holds(key):
                 return key
@@ -260,16 +270,24 @@ class AdapterPool:
                 self.check_pin_room(adapter_id)
                 self.activate_now(key)
                 self.tiers.table.pins.add(adapter_id)
+                self.kept_out.pop(adapter_id, None)
             self.publisher.pinned(adapter_id, key is not None)
             self.tiers.update_gauges()
 
     def unload(self, adapter_id: str) -> bool:
+        """Drop every version of `adapter_id` from both tiers (AdapterInUse while pinned or
+        running); -> whether one was held. Popularity prefetch then leaves it out until a request
+        for it arrives here or it is pinned: an operator's unload is not undone a round later."""
         with self.lock:
             if adapter_id in self.tiers.table.pins:
                 raise AdapterInUse(f"adapter {adapter_id!r} is pinned; unpin it first")
             busy = sum(s.running for s in self.tiers.table.of_adapter(adapter_id))
             if busy:
                 raise AdapterInUse(f"adapter {adapter_id!r} is in use by {busy} running sequences")
+            self.kept_out[adapter_id] = None
+            self.kept_out.move_to_end(adapter_id)
+            while len(self.kept_out) > KEPT_OUT_MAX:
+                self.kept_out.popitem(last=False)
             return self.tiers.remove_adapter(adapter_id)
 
     # ------------------------------------------------------------------ reporting

@@ -121,7 +121,8 @@ class AheadOfNeed:
             evictable = [(k, a) for k in tiers.cpu.keys() if (a := split_key(k)[0]) not in keep]
             moves = plan_moves(
                 view,
-                held=set(tiers.digests()) | {r.adapter_id for r in pool.fetcher.flights},
+                # what an operator unloaded here counts as held: prefetch must not bring it back
+                held=set(tiers.digests()) | {r.adapter_id for r in pool.fetcher.flights} | set(pool.kept_out),
                 room=tiers.cpu.room - len(pool.fetcher.flights) - len(pool.wanted),
                 evictable=evictable,
                 max_moves=self.max_prefetch,

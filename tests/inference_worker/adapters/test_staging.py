@@ -14,7 +14,7 @@ from loraserve.inference_worker.adapters import AdapterRef
 from loraserve.inference_worker.adapters.placement import FleetView
 from loraserve.inference_worker.adapters.staging import AheadOfNeed
 from loraserve.inference_worker.coordination import InProcessCoordinator
-from loraserve.inference_worker.errors import WorkerError
+from loraserve.inference_worker.errors import AdapterInUse, WorkerError
 
 
 def eventually(check, timeout: float = 20.0):
@@ -161,6 +161,36 @@ def test_prefetch_displaces_colder_entries_never_needed_or_pinned_ones(harness):
     assert h.adapters.ahead.prefetch(again) == ["attn-l1-r2"]
     eventually(lambda: tier(h, "attn-l1-r2") == "cpu")
     assert held(h) == {"attn-l1-r2", "all-r4", "patterned", "mlp-rs16"}
+
+
+def test_prefetch_leaves_out_what_an_operator_unloaded_until_it_is_asked_for(harness):
+    """An unload is not undone by the next prefetch round, however popular the adapter still
+    counts; a request for it, an operator's load or a pin ends that."""
+    h = harness(max_loras=2, max_cpu_loras=3, prefetch=8)
+    fleet = FleetView("worker", {"qv-r8": 9.0, "all-r4": 7.0, "patterned": 5.0}, ("worker",))
+    assert h.adapters.ahead.prefetch(fleet) == ["qv-r8", "all-r4", "patterned"]
+    eventually(lambda: held(h) == {"qv-r8", "all-r4", "patterned"})
+    assert h.pool.unload("qv-r8") and h.pool.unload("patterned")
+    assert h.adapters.ahead.prefetch(fleet) == []  # room for both, the most popular: left out
+    assert held(h) == {"all-r4"}
+    assert not h.pool.unload("mlp-rs16")  # not held: kept out all the same
+    h.pool.set_pin("all-r4", h.pool.versions.resolve(AdapterRef("all-r4")))
+    with pytest.raises(AdapterInUse):
+        h.pool.unload("all-r4")  # refused: nothing changes for it
+    assert list(h.pool.kept_out) == ["qv-r8", "patterned", "mlp-rs16"]
+    # a request for it: served on demand, and no longer kept out
+    h.acquire_eventually(1, "qv-r8")
+    h.pool.release(1)
+    assert list(h.pool.kept_out) == ["patterned", "mlp-rs16"]
+    # so do an operator's load and a pin
+    h.run(h.ensure_cpu("patterned"))
+    assert list(h.pool.kept_out) == ["mlp-rs16"]
+    h.pool.set_pin("all-r4", None)
+    h.run(h.ensure_cpu("mlp-rs16"))
+    with h.pool.lock:
+        h.pool.kept_out["mlp-rs16"] = None  # unloaded meanwhile, say
+    h.pool.set_pin("mlp-rs16", h.pool.versions.resolve(AdapterRef("mlp-rs16")))
+    assert not h.pool.kept_out
 
 
 @pytest.fixture(params=["in_process", pytest.param("redis", marks=pytest.mark.redis)])
