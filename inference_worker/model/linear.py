@@ -2,7 +2,8 @@
 o, gate_up (gate|up fused), down. The LoRA code attaches an object to `lora` by (layer, group);
 its `begin(x, lora)` may start work on x before the base projection runs, and its
 `finish(x, y, lora, begun)` adds the per-row adapter delta to `y` in place, rows grouped by the
-step's `LoRABatch`."""
+step's `LoRABatch`; for a gate | up projection its `silu_mul` may apply the delta and the
+activation at once."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ class LoraDelta(Protocol):
 
     def finish(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch, begun: object) -> None:
         """x: [T, in_features], y: [T, out_total]; y += delta of each row's adapter."""
+
+    def fuses_silu_mul(self, num_tokens: int) -> bool:
+        """Whether `silu_mul` serves a step of `num_tokens` rows (a gate | up projection only)."""
+
+    def silu_mul(self, x: torch.Tensor, y: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+        """silu(gate) * up of y + each row's delta, y [T, 2I] left as it was -> [T, I]."""
 
 
 class GroupedLinear(nn.Module):
@@ -66,10 +73,8 @@ class GroupedLinear(nn.Module):
         """activation(forward(x)) of a gate | up projection, activation = silu(gate) * up: where
         the LoRA object fuses its delta into the activation (`fuses_silu_mul`), one kernel does
         both after the base GEMM and `activation` is not called."""
-        fuses = getattr(self.lora, "fuses_silu_mul", None)
-        if batch.lora is not None and fuses is not None and fuses(x.shape[0]):
-            y = F.linear(x, self.weight, self.bias)
-            return self.lora.silu_mul(x, y, batch.lora)  # type: ignore[union-attr]
+        if self.lora is not None and batch.lora is not None and self.lora.fuses_silu_mul(x.shape[0]):
+            return self.lora.silu_mul(x, F.linear(x, self.weight, self.bias), batch.lora)
         return activation(self.forward(x, batch))
 
     def extra_repr(self) -> str:
