@@ -73,6 +73,11 @@ class StoreServer:
         if self.config.metrics_port is not None:
             self._metrics_http = self.metrics.serve(self.config.metrics_port)
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The Prometheus endpoint's bound port (--metrics-port 0 picks one); None when off."""
+        return None if self._metrics_http is None else int(self._metrics_http.server_port)
+
     async def begin_drain(self) -> None:
         """Health NOT_SERVING and UNAVAILABLE for new work; running streams go on."""
         self.service.draining = True
@@ -141,10 +146,12 @@ async def serve(config: StoreConfig) -> None:
     line = (
         f"adapter store listening on {config.host}:{port} "
         f"(registry: {'redis' if config.redis_url else 'sqlite'}, adapter root: {config.root}, "
-        f"disk tier: {config.payload_cache_dir or 'off'})"
+        f"disk tier: {config.payload_cache_dir or 'off'}"
+        + (f", metrics on {config.host}:{store.metrics_port}" if store.metrics_port is not None else "")
+        + ")"
     )
     log.info("%s", line)
-    print(line, flush=True)  # the bound port, whatever the log level (--port 0 picks one)
+    print(line, flush=True)  # the bound ports, whatever the log level (port 0 picks one)
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -50,6 +51,10 @@ SHAPES = {
     ),
     "tiny": TinyLlamaSpec(),
 }
+
+
+# what a store or worker prints once it serves (ports bound, --port 0 and --metrics-port 0)
+LISTENING = re.compile(r"listening on ([\d.]+):(\d+)(?:.*?metrics on ([\d.]+):(\d+))?")
 
 
 def free_port() -> int:
@@ -167,6 +172,25 @@ class Service:
             tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
             raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{tail}")
 
+    def await_listening(self, timeout: float) -> None:
+        """Started with port 0: the ports it bound, from its "listening on" line (no port picked
+        here can be taken by another process before the service binds it)."""
+        end = time.monotonic() + timeout
+        while not self.address:
+            self.check_alive()
+            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            found = sorted(LISTENING.finditer(text), key=lambda m: m.group(3) is not None)
+            if found:  # the printed line (with the metrics port) over a log line that says less
+                m = found[-1]
+                self.address = f"{m.group(1)}:{m.group(2)}"
+                self.metrics_address = f"{m.group(3)}:{m.group(4)}" if m.group(3) else ""
+                return
+            if time.monotonic() > end:
+                raise TimeoutError(
+                    f"{self.name} did not say where it listens in {timeout:.0f} s (log {self.log})"
+                )
+            time.sleep(0.05)
+
 
 @dataclass
 class WorkerOptions:
@@ -199,6 +223,7 @@ def _spawn(name: str, args: Sequence[str], log: Path, env: dict[str, str] | None
 
 def _wait_ready(service: Service, probe, timeout: float) -> None:
     end = time.monotonic() + timeout
+    service.await_listening(timeout)
     while True:
         service.check_alive()
         try:
@@ -220,10 +245,9 @@ class Fleet:
         self.services: list[Service] = []
 
     def start_store(self, model_dir: Path, adapter_root: Path, *, cache_adapters: int, dtype: str) -> Service:
-        port, metrics = free_port(), free_port()
         data = self.workdir / "store-data"
         args = [sys.executable, "-m", "loraserve.cli", "store", "--base-model", str(model_dir)]
-        args += ["--adapter-root", str(adapter_root), "--data-dir", str(data), "--port", str(port)]
+        args += ["--adapter-root", str(adapter_root), "--data-dir", str(data), "--port", "0"]
         args += [
             "--cache-max-adapters",
             str(cache_adapters),
@@ -238,14 +262,10 @@ class Fleet:
             "--log-level",
             "WARNING",
             "--metrics-port",
-            str(metrics),
+            "0",
         ]
         svc = Service(
-            "store",
-            f"127.0.0.1:{port}",
-            _spawn("store", args, self.workdir / "store.log"),
-            self.workdir / "store.log",
-            f"127.0.0.1:{metrics}",
+            "store", "", _spawn("store", args, self.workdir / "store.log"), self.workdir / "store.log"
         )
         self.services.append(svc)
         from loraserve.clients.store_client import StoreClient
@@ -267,7 +287,6 @@ class Fleet:
         redis_url: str = "",
         wait: bool = True,
     ) -> Service:
-        port, metrics = free_port(), free_port()
         o = asdict(opts)
         args = [
             sys.executable,
@@ -277,9 +296,9 @@ class Fleet:
             "--model",
             str(model_dir),
             "--port",
-            str(port),
+            "0",
         ]
-        args += ["--store-address", store, "--metrics-port", str(metrics), "--worker-id", name]
+        args += ["--store-address", store, "--metrics-port", "0", "--worker-id", name]
         for key in (
             "device", "dtype", "max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len", "kv_cache_mb", "max_queue_size",
@@ -291,7 +310,7 @@ class Fleet:
         if redis_url:
             args += ["--redis-url", redis_url]
         log = self.workdir / f"{name}.log"
-        svc = Service(name, f"127.0.0.1:{port}", _spawn(name, args, log), log, f"127.0.0.1:{metrics}")
+        svc = Service(name, "", _spawn(name, args, log), log)  # its address: once it listens
         self.services.append(svc)
         if wait:
             self.wait_worker(svc)

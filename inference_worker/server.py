@@ -260,8 +260,9 @@ async def serve(config: WorkerConfig) -> int:
     """Serve until drained (SIGTERM, SIGINT: -> 0) or failed (-> 1)."""
     server, port = await start_worker(config)
     tune_gc(config.gc_threshold)  # process-wide: this process is the worker, now loaded
-    # the bound port, whatever the log level (--port 0 picks one)
-    print(f"worker {server.config.resolved_worker_id} listening on {config.host}:{port}", flush=True)
+    # the bound ports, whatever the log level (--port 0 and --metrics-port 0 pick one)
+    metrics = f" (metrics on {config.host}:{server.metrics_port})" if server.metrics_port is not None else ""
+    print(f"worker {server.config.resolved_worker_id} listening on {config.host}:{port}{metrics}", flush=True)
     loop = asyncio.get_running_loop()
 
     async def on_signal() -> None:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,7 @@ def test_servers_on_port_0_print_the_port_they_bound(tiny_model_dir: Path, tmp_p
     }
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "loraserve.cli", *args, "--port", "0"],
+            [sys.executable, "-m", "loraserve.cli", *args, "--port", "0", "--metrics-port", "0"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -122,6 +123,10 @@ def test_servers_on_port_0_print_the_port_they_bound(tiny_model_dir: Path, tmp_p
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                 status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert status.status == health_pb2.HealthCheckResponse.SERVING
+            # and where its metrics are, with --metrics-port 0 too
+            metrics_port = int(line.split("metrics on 127.0.0.1:")[1].split(")")[0])
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                assert b"loraserve_" in r.read()
     finally:
         for proc in procs.values():
             proc.terminate()
