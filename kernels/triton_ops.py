@@ -147,16 +147,7 @@ def _launch_expand(
         in_features,
         shrink.target_items,
         shrink.max_split,
-        SHRINK_BLOCK_K=shrink.block_k,
-        MAX_SPLIT=shrink.max_split,
-        MAX_CHUNK_TILES=plan.max_chunk_tiles,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        BLOCK_R=plan.block_r,
-        SINGLE_R=plan.single_r,
-        IEEE=y.dtype == torch.float32,
-        I64=_needs_i64(part, lora_b, y),
-        B_VEC=plan.b_vec,
+        **_expand_constexprs(shrink, plan, part, lora_b, y),
         PRELOAD=plan.preload,
         WAIT_PRIOR=pdl,
         Y_READY=y_ready,
@@ -317,22 +308,31 @@ def add_lora_silu_mul(
         x.shape[1],
         shrink.target_items,
         shrink.max_split,
-        SHRINK_BLOCK_K=shrink.block_k,
-        MAX_SPLIT=shrink.max_split,
-        MAX_CHUNK_TILES=plan.max_chunk_tiles,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        BLOCK_R=plan.block_r,
-        SINGLE_R=plan.single_r,
-        IEEE=y.dtype == torch.float32,
-        I64=_needs_i64(part, lora_b, y),
-        B_VEC=plan.b_vec,
+        **_expand_constexprs(shrink, plan, part, lora_b, y),
         WAIT_PRIOR=pdl,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out
+
+
+def _expand_constexprs(
+    shrink: ShrinkPlan, plan: ExpandPlan, part: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor
+) -> dict[str, int | bool]:
+    """The compile-time arguments every expand kernel takes: the shrink's split and the tiles."""
+    return {
+        "SHRINK_BLOCK_K": shrink.block_k,
+        "MAX_SPLIT": shrink.max_split,
+        "MAX_CHUNK_TILES": plan.max_chunk_tiles,
+        "BLOCK_M": plan.block_m,
+        "BLOCK_N": plan.block_n,
+        "BLOCK_R": plan.block_r,
+        "SINGLE_R": plan.single_r,
+        "IEEE": y.dtype == torch.float32,
+        "I64": _needs_i64(part, lora_b, y),
+        "B_VEC": plan.b_vec,
+    }
 
 
 def _needs_i64(*tensors: torch.Tensor) -> bool:
