@@ -20,7 +20,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_fetch_contention import SHAPES  # noqa: E402
-from bench_store import free_port, wait_ready  # noqa: E402
+from bench_store import start_store, wait_ready  # noqa: E402
 
 from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
 from loraserve.clients.store_client import StoreClient  # noqa: E402
@@ -162,16 +161,13 @@ def main() -> int:
                 dtype=torch.bfloat16,
                 base_model_name=config["_name_or_path"],
             )
-        port = free_port()
         cache = "1" if args.origin == "disk" else str(count + 1)
-        store = subprocess.Popen(
-            [sys.executable, "-m", "loraserve.cli", "store", "--host", "127.0.0.1", "--port", str(port),
-             "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
+        store, address = start_store(
+            ["--host", "127.0.0.1", "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
              "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING", "--cache-max-adapters", cache],
             cwd=str(ROOT),
         )  # fmt: skip
         try:
-            address = f"127.0.0.1:{port}"
             wait_ready(address, store)
             with StoreClient(address) as client:
                 payload_bytes = 0

@@ -20,7 +20,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_store import LLAMA3_8B, free_port, wait_ready  # noqa: E402
+from bench_store import LLAMA3_8B, start_store, wait_ready  # noqa: E402
 from serving_fleet import SHAPES as SERVING_SHAPES  # noqa: E402
 
 from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
@@ -143,16 +142,13 @@ def main() -> int:
                 dtype=torch.bfloat16,
                 base_model_name=config["_name_or_path"],
             )
-        port = free_port()
-        store = subprocess.Popen(
-            [sys.executable, "-m", "loraserve.cli", "store", "--host", "127.0.0.1", "--port", str(port),
-             "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
+        store, address = start_store(
+            ["--host", "127.0.0.1", "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
              "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING",
              *(["--cache-max-adapters", "1"] if args.origin == "disk" else [])],
             cwd=str(ROOT),
         )  # fmt: skip
         try:
-            address = f"127.0.0.1:{port}"
             wait_ready(address, store)
             with StoreClient(address) as client:
                 payload_bytes = client.register("bench", "bench").size_bytes

@@ -18,11 +18,12 @@ import hashlib
 import json
 import os
 import platform
-import socket
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,10 +53,26 @@ LLAMA3_8B = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+
+
+def _pass_through(stream: object) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        sys.stdout.write(line)
+
+
+def start_store(args: list[str], **popen: object) -> tuple[subprocess.Popen, str]:
+    """`python -m loraserve.cli store *args --port 0` -> (the process, the address it bound, read
+    from the line it prints once it listens: no port picked beforehand that another process could
+    take first). The rest of its standard output is passed through on a thread."""
+    cmd = [sys.executable, "-m", "loraserve.cli", "store", *args, "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen)  # type: ignore[call-overload]
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if m := LISTENING.search(line):
+            threading.Thread(target=_pass_through, args=(proc.stdout,), daemon=True).start()
+            return proc, f"{m.group(1)}:{m.group(2)}"
+    raise RuntimeError(f"the store exited with {proc.wait()} before it listened")
 
 
 def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -173,17 +190,10 @@ def main() -> int:
         )
 
         # The store runs as its own process, as it does beside the workers.
-        port = free_port()
-        proc = subprocess.Popen(
+        proc, address = start_store(
             [
-                sys.executable,
-                "-m",
-                "loraserve.cli",
-                "store",
                 "--host",
                 "127.0.0.1",
-                "--port",
-                str(port),
                 "--base-model",
                 str(base),
                 "--adapter-root",
@@ -199,7 +209,6 @@ def main() -> int:
             ],
             cwd=str(ROOT),
         )
-        address = f"127.0.0.1:{port}"
         try:
             wait_ready(address, proc)
             with StoreClient(address) as client:
