@@ -25,7 +25,8 @@ from loraserve.kernels.launch_plan import (
     plan_shrink,
     preload_keeps_tile,
 )
-from loraserve.kernels.sgmv import expand_kernel, expand_silu_mul_kernel, shrink_kernel
+from loraserve.kernels.sgmv import expand_kernel, shrink_kernel
+from loraserve.kernels.sgmv_pair import expand_silu_mul_kernel
 
 
 @functools.cache
