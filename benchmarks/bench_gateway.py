@@ -20,7 +20,7 @@ import json
 import multiprocessing
 import os
 import platform
-import socket
+import re
 import subprocess
 import sys
 import tempfile
@@ -73,10 +73,18 @@ class Phase:
         return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+LISTENING = re.compile(r"listening on (\S+?):(\d+)\b")
+
+
+def listening_address(proc: subprocess.Popen) -> str:
+    """host:port from the worker's "listening on" line: it binds port 0, so no port is picked
+    beforehand for another process to take first."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        found = LISTENING.search(line)
+        if found:
+            return f"{found.group(1)}:{found.group(2)}"
+    raise RuntimeError(f"the worker exited with {proc.wait()} before listening")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -273,16 +281,18 @@ def main() -> int:
     print(setup, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_llama(Path(tmp) / "model")
-        worker_address = f"127.0.0.1:{free_port()}"
         seqs = max(args.streams, 8)
         worker = start(
-            ["worker", "--model", str(model), "--port", worker_address.rsplit(":", 1)[1], "--device", "cpu"]
+            ["worker", "--model", str(model), "--port", "0", "--device", "cpu"]
             + ["--dtype", "float32", "--max-num-seqs", str(seqs), "--max-queue-size", str(2 * seqs)]
             + ["--max-num-batched-tokens", str(max(4096, seqs)), "--max-model-len", "256"]
-            + ["--num-kv-blocks", str(3 * seqs + 16), "--no-cuda-graphs", "--log-level", "WARNING"]
+            + ["--num-kv-blocks", str(3 * seqs + 16), "--no-cuda-graphs", "--log-level", "WARNING"],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         gateway = None
         try:
+            worker_address = listening_address(worker)
             wait_for_worker(worker_address, worker)
             gateway = start(
                 ["openai", "--port", "0", "--worker", worker_address, "--log-level", "WARNING"],

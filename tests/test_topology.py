@@ -21,7 +21,7 @@ from loraserve.adapter_store.demo import DEMO_ADAPTERS, write_demo_adapters
 from loraserve.clients.router import WorkerRouter, discover_workers
 from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
-from tests.helpers.ports import free_port
+from tests.helpers.ports import await_listening
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.s3]
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -65,10 +65,9 @@ def topology(
     from moto.server import ThreadedMotoServer
 
     tmp = tmp_path_factory.mktemp("topology")
-    s3_port = free_port()
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port, verbose=False)
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
-    endpoint = f"http://127.0.0.1:{s3_port}"
+    endpoint = "http://{}:{}".format(*moto.get_host_and_port())
     s3 = boto3.client(
         "s3",
         endpoint_url=endpoint,
@@ -89,13 +88,13 @@ def topology(
         "LORASERVE_LOG_LEVEL": "WARNING",
         "PYTHONUNBUFFERED": "1",
     }
+    # every service binds port 0 and the test reads the address from its "listening on" line
     procs: list[subprocess.Popen] = []
-    store_addr = f"127.0.0.1:{free_port()}"
     procs.append(
         _cli(
             "store",
             "--port",
-            store_addr.rsplit(":", 1)[1],
+            "0",
             "--base-model",
             str(tiny_model_dir),
             "--data-dir",
@@ -108,17 +107,20 @@ def topology(
             log=tmp / "store.log",
         )
     )
-    workers = []
+    try:
+        store_addr = await_listening(tmp / "store.log", procs[0])
+    except BaseException:
+        procs[0].kill()
+        moto.stop()
+        raise
     for i in range(2):
-        port = free_port()
-        workers.append(f"127.0.0.1:{port}")
         procs.append(
             _cli(
                 "worker",
                 "--model",
                 str(tiny_model_dir),
                 "--port",
-                str(port),
+                "0",
                 "--device",
                 "cpu",
                 "--dtype",
@@ -127,8 +129,6 @@ def topology(
                 store_addr,
                 "--worker-id",
                 f"w{i}",
-                "--advertise-address",
-                f"127.0.0.1:{port}",
                 "--max-loras",
                 "2",
                 "--max-cpu-loras",
@@ -142,6 +142,7 @@ def topology(
             )
         )
     try:
+        workers = [await_listening(tmp / f"worker{i}.log", proc) for i, proc in enumerate(procs[1:])]
         _wait_serving(store_addr, procs[0])
         for addr, proc in zip(workers, procs[1:], strict=True):
             _wait_serving(addr, proc)

@@ -16,7 +16,6 @@ import pytest
 
 from loraserve.contract.adapter_layout import MODULES
 from tests.helpers.peft_adapters import make_peft_adapter
-from tests.helpers.ports import free_port
 
 if TYPE_CHECKING:
     from loraserve.adapter_store.config import StoreConfig
@@ -141,10 +140,9 @@ def s3_endpoint() -> Iterator[str]:
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # binds a free port
     server.start()
-    yield f"http://127.0.0.1:{port}"
+    yield "http://{}:{}".format(*server.get_host_and_port())
     server.stop()
     for k, v in saved.items():
         if v is None:
