@@ -150,11 +150,12 @@ class FleetSim:
                 for aid in [a for a, _ in ranked if not w.holds(a)][:room]:
                     w.insert(aid)
                 continue
-            holders = {
-                aid: frozenset(o.address for o in self.workers if o is not w and o.holds(aid))
-                for aid in fleet
-            }
-            view = FleetView(w.address, fleet, keys, {a: h for a, h in holders.items() if h})
+            held_by: dict[str, set[str]] = {}  # the fleet's adapters the other workers hold
+            for o in self.workers:
+                if o is not w:
+                    for aid in o.view.cpu & fleet.keys():
+                        held_by.setdefault(aid, set()).add(o.address)
+            view = FleetView(w.address, fleet, keys, {a: frozenset(h) for a, h in held_by.items()})
             evictable = [(k, k.split("@")[0]) for k in w.cache.keys()]
             moves = plan_moves(
                 view, held=set(w.view.cpu), room=w.cache.room, evictable=evictable, max_moves=MAX_PREFETCH
