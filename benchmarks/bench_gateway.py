@@ -20,7 +20,6 @@ import json
 import multiprocessing
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from loraserve.clients.worker_client import AsyncWorkerClient  # noqa: E402
 from loraserve.inference_worker.model.tiny import write_tiny_llama  # noqa: E402
+from loraserve.serving.ports import listening_address  # noqa: E402
 
 PROMPT = "Once upon a time there was"
 
@@ -73,17 +73,13 @@ class Phase:
         return out
 
 
-LISTENING = re.compile(r"listening on (\S+?):(\d+)\b")
-
-
-def listening_address(proc: subprocess.Popen) -> str:
+def bound_address(proc: subprocess.Popen) -> str:
     """host:port from the worker's "listening on" line: it binds port 0, so no port is picked
     beforehand for another process to take first."""
     assert proc.stdout is not None
     for line in proc.stdout:
-        found = LISTENING.search(line)
-        if found:
-            return f"{found.group(1)}:{found.group(2)}"
+        if address := listening_address(line):
+            return address
     raise RuntimeError(f"the worker exited with {proc.wait()} before listening")
 
 
@@ -292,7 +288,7 @@ def main() -> int:
         )
         gateway = None
         try:
-            worker_address = listening_address(worker)
+            worker_address = bound_address(worker)
             wait_for_worker(worker_address, worker)
             gateway = start(
                 ["openai", "--port", "0", "--worker", worker_address, "--log-level", "WARNING"],

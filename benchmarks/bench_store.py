@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # 
 from loraserve.clients.adapter_fetch import AdapterDownload, _stream, fetch_adapter, fetch_adapter_async  # noqa: E402
 from loraserve.clients.store_client import CHANNEL_OPTIONS, StoreClient  # noqa: E402
 from loraserve.contract.adapter_layout import MODULES  # noqa: E402
+from loraserve.serving.ports import listening_address  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -53,9 +53,6 @@ LLAMA3_8B = {
 }
 
 
-LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
-
-
 def _pass_through(stream: object) -> None:
     for line in stream:  # type: ignore[attr-defined]
         sys.stdout.write(line)
@@ -69,9 +66,9 @@ def start_store(args: list[str], **popen: object) -> tuple[subprocess.Popen, str
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen)  # type: ignore[call-overload]
     assert proc.stdout is not None
     for line in proc.stdout:
-        if m := LISTENING.search(line):
+        if address := listening_address(line):
             threading.Thread(target=_pass_through, args=(proc.stdout,), daemon=True).start()
-            return proc, f"{m.group(1)}:{m.group(2)}"
+            return proc, address
     raise RuntimeError(f"the store exited with {proc.wait()} before it listened")
 
 

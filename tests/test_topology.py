@@ -109,39 +109,34 @@ def topology(
     )
     try:
         store_addr = await_listening(tmp / "store.log", procs[0])
-    except BaseException:
-        procs[0].kill()
-        moto.stop()
-        raise
-    for i in range(2):
-        procs.append(
-            _cli(
-                "worker",
-                "--model",
-                str(tiny_model_dir),
-                "--port",
-                "0",
-                "--device",
-                "cpu",
-                "--dtype",
-                "float32",
-                "--store-address",
-                store_addr,
-                "--worker-id",
-                f"w{i}",
-                "--max-loras",
-                "2",
-                "--max-cpu-loras",
-                "3",
-                "--num-kv-blocks",
-                "128",
-                "--max-num-seqs",
-                "8",
-                env=env,
-                log=tmp / f"worker{i}.log",
+        for i in range(2):
+            procs.append(
+                _cli(
+                    "worker",
+                    "--model",
+                    str(tiny_model_dir),
+                    "--port",
+                    "0",
+                    "--device",
+                    "cpu",
+                    "--dtype",
+                    "float32",
+                    "--store-address",
+                    store_addr,
+                    "--worker-id",
+                    f"w{i}",
+                    "--max-loras",
+                    "2",
+                    "--max-cpu-loras",
+                    "3",
+                    "--num-kv-blocks",
+                    "128",
+                    "--max-num-seqs",
+                    "8",
+                    env=env,
+                    log=tmp / f"worker{i}.log",
+                )
             )
-        )
-    try:
         workers = [await_listening(tmp / f"worker{i}.log", proc) for i, proc in enumerate(procs[1:])]
         _wait_serving(store_addr, procs[0])
         for addr, proc in zip(workers, procs[1:], strict=True):

@@ -10,6 +10,7 @@ with a plain socket first, so a busy one fails before gRPC logs its own lines ab
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,18 @@ import grpc
 
 # every loraserve gRPC server: one process per port
 NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
+
+# The line a server prints once it listens ("adapter store listening on HOST:PORT (...)",
+# "worker ID listening on HOST:PORT ..."): a caller that started it on port 0 reads the bound
+# address from it (`listening_address`).
+LISTENING = re.compile(r"listening on (\S+?):(\d+)\b")
+
+
+def listening_address(text: str) -> str | None:
+    """HOST:PORT of the first "listening on" line in a server's output `text`, else None."""
+    found = LISTENING.search(text)
+    return f"{found.group(1)}:{found.group(2)}" if found else None
 
 
 class PortUnavailable(OSError):

@@ -5,13 +5,12 @@ process to take first)."""
 
 from __future__ import annotations
 
-import re
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-LISTENING = re.compile(r"listening on (\S+?):(\d+)\b")
+from loraserve.serving.ports import listening_address
 
 
 def free_port() -> int:
@@ -26,9 +25,8 @@ def await_listening(log: Path, proc: subprocess.Popen, timeout: float = 90.0) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
-        found = LISTENING.search(text)
-        if found:
-            return f"{found.group(1)}:{found.group(2)}"
+        if address := listening_address(text):
+            return address
         if proc.poll() is not None:
             raise RuntimeError(f"exited with {proc.returncode} before listening:\n{text[-2000:]}")
         time.sleep(0.1)

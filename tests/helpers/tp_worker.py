@@ -4,7 +4,6 @@ processes (its stream relay's front), found once the worker listens."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import threading
@@ -13,7 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+from loraserve.serving.ports import listening_address
+
 HELPER_MODULES = ("inference_worker.relay.front", "inference_worker.fetching.child")
 
 
@@ -46,9 +46,8 @@ class WorkerProcess:
         def read() -> None:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
-                m = LISTENING.search(line)
-                if m:
-                    found.append(f"{m.group(1)}:{m.group(2)}")
+                if address := listening_address(line):
+                    found.append(address)
                     return
 
         reader = threading.Thread(target=read, daemon=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loraserve.serving.ports import PortUnavailable, listen_socket
+from loraserve.serving.ports import PortUnavailable, listen_socket, listening_address
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -117,10 +117,11 @@ def test_servers_on_port_0_print_the_port_they_bound(tiny_model_dir: Path, tmp_p
         for name, proc in procs.items():
             assert proc.stdout is not None
             line = proc.stdout.readline()
-            assert line.startswith(name) and " listening on 127.0.0.1:" in line, line
-            port = int(line.split("listening on 127.0.0.1:")[1].split()[0])
-            assert port > 0
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            assert line.startswith(name), line
+            address = listening_address(line)  # what a caller that started it on port 0 reads
+            assert address is not None and address.startswith("127.0.0.1:"), line
+            assert int(address.rsplit(":", 1)[1]) > 0
+            with grpc.insecure_channel(address) as ch:
                 status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert status.status == health_pb2.HealthCheckResponse.SERVING
             # and where its metrics are, with --metrics-port 0 too
