@@ -93,12 +93,19 @@ class DiskTier:
             return None
         return reader
 
-    def read(self, reader: PayloadReader, progress: Callable[[int], None] | None = None) -> OptimizedAdapter:
-        """Fill and check the payload of an opened file (`PayloadReader.read`); a hit when it is good,
-        else the failure is counted (a bad file removed) and re-raised. Blocking."""
+    def read(
+        self,
+        reader: PayloadReader,
+        progress: Callable[[int], None] | None = None,
+        chunks: list[bytes] | None = None,
+        step: int | None = None,
+    ) -> OptimizedAdapter:
+        """Fill and check the payload of an opened file (`PayloadReader.read`, which also makes the
+        chunk messages of `step` bytes into `chunks`, when given); a hit when it is good, else the
+        failure is counted (a bad file removed) and re-raised. Blocking."""
         key = reader.key
         try:
-            adapter = reader.read(progress)
+            adapter = reader.read(progress, chunks, step)
         except (CorruptPayload, OSError) as exc:
             self._read_failed(key, exc)
             raise

@@ -16,10 +16,12 @@ import asyncio
 class Filling:
     """Bytes [0, filled) of a payload of `total` bytes are in memory; `checked` once all of them
     are and their digest matched; `error` when the read failed. Created, waited on and finished on
-    the event loop; `advance` may be called from the reading thread."""
+    the event loop; `advance` may be called from the reading thread, which also appends to `chunks`
+    the serialized FetchAdapter chunk message of each `step` bytes it reads, before it advances."""
 
-    def __init__(self, total: int) -> None:
-        self.total = total
+    def __init__(self, total: int, step: int) -> None:
+        self.total, self.step = total, step
+        self.chunks: list[bytes] = []
         self.filled = 0
         self.checked = False
         self.error: BaseException | None = None
@@ -52,6 +54,14 @@ class Filling:
         changed.set()
 
     # -- a fetch's side ----------------------------------------------------------------------
+    def chunk(self, offset: int, end: int) -> bytes | None:
+        """The reader's message of bytes [offset, end), once they are in memory; None when it made
+        none for that range (a stream resumed off the steps' boundaries)."""
+        i, extra = divmod(offset, self.step)
+        if extra or end != min(offset + self.step, self.total) or i >= len(self.chunks):
+            return None
+        return self.chunks[i]
+
     async def wait(self, upto: int) -> None:
         """Until bytes [0, upto) may be sent: in memory, and for the payload's end (upto == total)
         checked as well. Raises the read's error once it has failed."""

@@ -33,10 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from loraserve.adapter_store.optimize import OptimizedAdapter
 from loraserve.contract.adapter_layout import ADAPTER_ID_RE, ALIGN, align
+from loraserve.contract.chunk_codec import encode_chunk
 from loraserve.contract.payload import TORCH_DTYPES, PayloadTensor
 
 MAGIC = b"LSPAYLD1"
@@ -44,7 +46,7 @@ SUFFIX = ".payload"
 TEMP_PREFIX = ".tmp-"  # a write in progress (or one a crash left behind)
 _PREAMBLE = struct.Struct("<8sQ32s")  # magic, header length, header sha256
 MAX_HEADER_BYTES = 16 << 20
-READ_STEP = 1 << 20  # bytes per read (and per hash update; a fetch streams what is read so far)
+READ_STEP = 1 << 20  # bytes per read, hash update and chunk message (a fetch streams what is read so far)
 NAME_RE = re.compile(f"({ADAPTER_ID_RE.pattern})@([0-9a-f]{{64}}){re.escape(SUFFIX)}")
 
 
@@ -113,6 +115,17 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def _read_up_to(f: BinaryIO, n: int) -> bytes:
+    """Up to `n` bytes as one bytes object, fewer only at the end of the file."""
+    data = f.read(n)
+    while data and len(data) < n:  # a short read before the end (a signal): read the rest
+        more = f.read(n - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     data = f.read(n)
     if len(data) != n:
@@ -143,36 +156,49 @@ class PayloadReader:
     def total_bytes(self) -> int:
         return self.adapter.total_bytes
 
-    def read(self, progress: Callable[[int], None] | None = None) -> OptimizedAdapter:
-        """Read and hash the payload; `progress(bytes read so far)` after each step (the bytes are
-        in memory, not yet checked). The hash runs on a thread beside the reads, so the reads go at
-        the disk's pace and the check ends soon after the last one. CorruptPayload when the payload
-        is short or its sha256 is not the key's digest, OSError when it cannot be read. The file is
-        closed either way."""
-        total = self.adapter.total_bytes
-        view = memoryview(self.adapter.payload.numpy())  # type: ignore[arg-type]
+    def read(
+        self,
+        progress: Callable[[int], None] | None = None,
+        chunks: list[bytes] | None = None,
+        step: int | None = None,
+    ) -> OptimizedAdapter:
+        """Read and hash the payload, `step` bytes at a time (default READ_STEP); `progress(bytes read so far)` after
+        each step (the bytes are in memory, not yet checked). With `chunks`, each step's bytes are
+        also appended to it, before its `progress`, as the serialized FetchAdapter chunk message of
+        their range (`chunk_codec.encode_chunk`): made here, beside the fetches' event loop, which
+        then sends them as they are. Every copy lets go of the interpreter lock (the read into a
+        bytes object, numpy's copy into the buffer, bytes.join of bytes, the hash on a thread beside
+        the reads), so reading does not hold up the fetches' event loop. CorruptPayload when the
+        payload is short or its sha256 is not the key's digest, OSError when it cannot be read. The
+        file is closed either way."""
+        total, step = self.adapter.total_bytes, step or READ_STEP
+        array = self.adapter.payload.numpy()
         sha = hashlib.sha256()
-        ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        pieces: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
 
-        def hash_ranges() -> None:  # hashlib lets go of the interpreter lock on large updates
-            while (r := ranges.get()) is not None:
-                sha.update(view[r[0] : r[1]])
+        def hash_pieces() -> None:  # hashlib lets go of the interpreter lock on large updates
+            while (piece := pieces.get()) is not None:
+                sha.update(piece)
 
-        hasher = threading.Thread(target=hash_ranges, name="payload-hash", daemon=True)
+        hasher = threading.Thread(target=hash_pieces, name="payload-hash", daemon=True)
         hasher.start()
         done = 0
         try:
             with self._f as f:
                 while done < total:
-                    n = f.readinto(view[done : min(done + READ_STEP, total)])
-                    if not n:
+                    data = _read_up_to(f, min(step, total - done))
+                    if not data:
                         raise CorruptPayload(f"truncated: the payload is {done} of {total} bytes")
-                    ranges.put((done, done + n))
+                    n = len(data)
+                    array[done : done + n] = np.frombuffer(data, dtype=np.uint8)
+                    pieces.put(data)
+                    if chunks is not None:
+                        chunks.append(encode_chunk(done, data))
                     done += n
                     if progress is not None:
                         progress(done)
         finally:
-            ranges.put(None)
+            pieces.put(None)
             hasher.join()
         if sha.hexdigest() != self.key.digest:
             raise CorruptPayload(f"the payload's sha256 is {sha.hexdigest()}, not {self.key.digest}")

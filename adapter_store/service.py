@@ -270,7 +270,7 @@ class AdapterService:
             with tracing.span("store.disk_open", {"loraserve.adapter.id": record.adapter_id}):
                 reader = await asyncio.to_thread(self.tier.open, record)
             if reader is not None:
-                filling = Filling(reader.total_bytes)
+                filling = Filling(reader.total_bytes, self.config.chunk_bytes)
                 key = (record.adapter_id, record.digest)
                 self._reading[key] = (reader.adapter, filling)
                 task = asyncio.ensure_future(self._fill(record, reader, filling))
@@ -292,7 +292,7 @@ class AdapterService:
         error: BaseException | None = None
         try:
             with tracing.span("store.disk_read", {"loraserve.adapter.id": record.adapter_id}):
-                await asyncio.to_thread(self.tier.read, reader, filling.advance)
+                await asyncio.to_thread(self.tier.read, reader, filling.advance, filling.chunks, filling.step)
         except CorruptPayload as exc:
             error = PayloadDamaged(
                 f"adapter {record.adapter_id!r}: the store's disk copy was damaged ({exc}); it was "

@@ -3,6 +3,7 @@ propagate; the server's error interceptor (loraserve/serving/interceptors.py) ma
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -57,9 +58,29 @@ def manifest_to_pb(r: AdapterRecord, o: OptimizedAdapter) -> store_pb2.AdapterMa
 
 
 class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
+    MANIFESTS_KEPT = 256  # serialized manifests of the versions fetched most recently
+
     def __init__(self, service: AdapterService, chunk_bytes: int) -> None:
         self.service = service
         self.chunk_bytes = chunk_bytes
+        self._manifests: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+
+    def _manifest(self, record: AdapterRecord, optimized: OptimizedAdapter) -> bytes:
+        """The serialized manifest message of a fetch, built once per version and record: a
+        manifest lists every tensor (hundreds), which costs the event loop more to build than a
+        chunk does to send."""
+        key = (record.to_json(), optimized.digest)
+        message = self._manifests.get(key)
+        if message is None:
+            message = store_pb2.FetchAdapterResponse(
+                manifest=manifest_to_pb(record, optimized)
+            ).SerializeToString()
+            self._manifests[key] = message
+            if len(self._manifests) > self.MANIFESTS_KEPT:
+                self._manifests.popitem(last=False)
+        else:
+            self._manifests.move_to_end(key)
+        return message
 
     async def RegisterAdapter(self, request, context):
         note(adapter=request.adapter_id)
@@ -90,7 +111,7 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
             optimized, filling = opened.adapter, opened.filling
             tracing.annotate({"loraserve.bytes": optimized.total_bytes - request.offset}, span)
         note(bytes=optimized.total_bytes - request.offset)
-        yield store_pb2.FetchAdapterResponse(manifest=manifest_to_pb(opened.record, optimized))
+        yield self._manifest(opened.record, optimized)  # a serialized FetchAdapterResponse(manifest=...)
         # The payload stays referenced by `optimized` for the whole stream, even if evicted meanwhile.
         view = memoryview(optimized.payload.numpy())  # type: ignore[arg-type]
         total, step, offset = optimized.total_bytes, self.chunk_bytes, request.offset
@@ -103,7 +124,9 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
                 except PayloadDamaged:
                     context.set_trailing_metadata(((REFETCH_KEY, "1"),))
                     raise
-            yield encode_chunk(offset, view[offset:end])  # serialized FetchAdapterResponse(chunk=...)
+            # a serialized FetchAdapterResponse(chunk=...): made by the disk read, else here
+            chunk = filling.chunk(offset, end) if filling is not None else None
+            yield chunk if chunk is not None else encode_chunk(offset, view[offset:end])
             metrics.fetch_bytes.inc(end - offset)
             offset = end
 

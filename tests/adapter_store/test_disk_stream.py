@@ -53,7 +53,7 @@ def _hold_read_at(monkeypatch, at: int) -> tuple[threading.Event, threading.Even
     held, go = threading.Event(), threading.Event()
     real = DiskTier.read
 
-    def read(self, reader, progress=None):
+    def read(self, reader, progress=None, *rest):
         def step(done: int) -> None:
             if progress is not None:
                 progress(done)
@@ -61,7 +61,7 @@ def _hold_read_at(monkeypatch, at: int) -> tuple[threading.Event, threading.Even
                 held.set()
                 assert go.wait(10), "the test never let the read go on"
 
-        return real(self, reader, step)
+        return real(self, reader, step, *rest)
 
     monkeypatch.setattr(DiskTier, "read", read)
     return held, go
@@ -217,7 +217,7 @@ def test_a_bug_in_the_read_fails_its_fetches_instead_of_hanging_them(evicted, mo
     store, info, reference, _ = evicted
     real = DiskTier.read
 
-    def broken(self, reader, progress=None):
+    def broken(self, reader, progress=None, *rest):
         if progress is not None:
             progress(CHUNK)  # some bytes were streamed already
         raise RuntimeError("a bug in the read path")
@@ -230,3 +230,88 @@ def test_a_bug_in_the_read_fails_its_fetches_instead_of_hanging_them(evicted, mo
         monkeypatch.setattr(DiskTier, "read", real)
         fetched = fetch_adapter(ch, "x", timeout=10)
     assert fetched.digest == info.digest and bool((fetched.buffer == reference.buffer).all())
+
+
+def test_a_disk_read_makes_the_chunk_messages_the_fetch_sends(evicted, monkeypatch) -> None:
+    """The chunks of a fetch served from the disk tier are the messages the read made beside the
+    event loop (the servicer encodes none), byte for byte what encoding the checked payload gives;
+    a fetch resumed off the chunk boundaries is encoded by the servicer, and right."""
+    from loraserve.adapter_store import servicer
+
+    store, info, reference, _ = evicted
+    encoded: list[int] = []
+    real_encode = servicer.encode_chunk
+
+    def counting(offset, data):
+        encoded.append(offset)
+        return real_encode(offset, data)
+
+    monkeypatch.setattr(servicer, "encode_chunk", counting)
+    with grpc.insecure_channel(store.address) as ch:
+        call = ch.unary_stream(
+            FETCH_METHOD, request_serializer=store_pb2.FetchAdapterRequest.SerializeToString
+        )
+        raws = list(call(store_pb2.FetchAdapterRequest(adapter_id="x"), timeout=20))
+        assert encoded == []  # every chunk came from the read
+        payload = reference.buffer.numpy().tobytes()
+        expected = [real_encode(o, payload[o : o + CHUNK]) for o in range(0, len(payload), CHUNK)]
+        assert raws[1:] == expected
+        assert "x" in store.service.cache and _value(store, "loraserve_store_disk_hits_total") == 1
+        # from memory now: the servicer encodes, from an offset inside a chunk too
+        odd = CHUNK + 123
+        raws = list(call(store_pb2.FetchAdapterRequest(adapter_id="x", offset=odd), timeout=20))
+        assert encoded[0] == odd and len(encoded) == len(raws) - 1
+        got = b"".join(bytes(decode_response(r)[1]) for r in raws[1:])
+        assert got == payload[odd:]
+
+
+def test_a_resumed_fetch_during_the_read_is_encoded_where_it_starts(evicted, monkeypatch) -> None:
+    """A fetch that joins a disk read at an offset off the read's steps gets its own chunks."""
+    store, info, reference, _ = evicted
+    held, go = _hold_read_at(monkeypatch, info.size_bytes // 2)
+    payload = reference.buffer.numpy().tobytes()
+    odd = 3 * CHUNK + 7
+
+    async def both():
+        async with grpc.aio.insecure_channel(store.address) as ch:
+            first = asyncio.ensure_future(fetch_adapter_async(ch, "x"))
+            await asyncio.to_thread(held.wait, 10)
+            call = ch.unary_stream(
+                FETCH_METHOD, request_serializer=store_pb2.FetchAdapterRequest.SerializeToString
+            )
+            stream = call(store_pb2.FetchAdapterRequest(adapter_id="x", offset=odd), timeout=20)
+            second = asyncio.ensure_future(_collect(stream))
+            await asyncio.sleep(0.2)
+            go.set()
+            return await first, await second
+
+    async def _collect(stream) -> list[bytes]:
+        return [raw async for raw in stream]
+
+    first, raws = store.call(both())
+    assert bool((first.buffer == reference.buffer).all())
+    chunks = [decode_response(r) for r in raws[1:]]
+    assert chunks[0][0] == odd and b"".join(bytes(d) for _, d in chunks) == payload[odd:]
+    assert _value(store, "loraserve_store_disk_hits_total") == 1
+
+
+def test_the_manifest_is_built_once_per_version(stub, monkeypatch) -> None:
+    """Fetches of one version send the same manifest bytes, built once; re-registered with other
+    weights, the adapter's next fetch sends its new manifest."""
+    from loraserve.adapter_store import servicer
+
+    built: list[str] = []
+    real = servicer.manifest_to_pb
+
+    def counting(record, optimized):
+        built.append(optimized.digest)
+        return real(record, optimized)
+
+    monkeypatch.setattr(servicer, "manifest_to_pb", counting)
+    first = register(stub, "m", "peft-qv-r8")
+    a, b = fetch_adapter(stub, "m"), fetch_adapter(stub, "m")
+    assert a.manifest == b.manifest and built == [first.digest]
+    second = register(stub, "m", "peft-all-r16-rslora", overwrite=True)
+    c = fetch_adapter(stub, "m")
+    assert second.digest != first.digest and c.digest == second.digest
+    assert c.manifest.adapter.digest == second.digest and built == [first.digest, second.digest]
