@@ -4,8 +4,10 @@ Builds Llama-3.2-1B- and Llama-3-8B-shaped models with random bf16 weights direc
 files), then for each decode batch size B: B requests with PROMPT_LEN-token prompts are prefilled,
 and STEPS decode steps are timed through `LLMEngine.step()` (scheduling, CUDA-graph replay,
 sampling, detokenization: what a served request pays) with the worker's settings (asynchronous
-scheduling, its garbage-collector tuning) and, interleaved in each round, without asynchronous
-scheduling and with Python's default garbage collector. The roofline time of one decode step is
+scheduling, its garbage-collector tuning) and, interleaved in each round: with the text of each
+token made elsewhere (`SamplingParams.detokenize` False: the worker's front process makes the text of
+plain streams, so its step thread emits tokens only), without asynchronous scheduling, and with
+Python's default garbage collector. The roofline time of one decode step is
 (weight bytes + KV bytes of all contexts) / device-to-device copy bandwidth, the bandwidth measured
 here with a large torch copy (read + write bytes / time).
 
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.model_runner import kv_bytes_per_block
 from loraserve.inference_worker.engine.sequence import SamplingParams
+from loraserve.inference_worker.engine.text_stream import NO_TEXT
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.inference_worker.model.tiny import word_tokenizer
@@ -66,7 +69,7 @@ SHAPES = {
 PROMPT_LEN = 128
 STEPS = 32
 REPS = 5  # rounds of [STEPS engine steps; STEPS replays of the same step's graph], interleaved
-RUNS = 3  # engine step runs a round: asynchronous, synchronous, Python's default GC
+RUNS = 4  # engine step runs a round: asynchronous, text made by the front, synchronous, default GC
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -93,6 +96,23 @@ def per_call(fn: Callable[[], object]) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / STEPS
+
+
+def per_call_without_text(engine: LLMEngine) -> float:
+    """`per_call(engine.step)` with every running sequence's text made elsewhere (as the worker's
+    front makes it for plain streams): its text stream is set aside for the run, then brought up
+    to date outside the timing."""
+    running = list(engine.scheduler.running)
+    streams = [seq.text_stream for seq in running]
+    for seq in running:
+        seq.text_stream = NO_TEXT
+    try:
+        return per_call(engine.step)
+    finally:
+        for seq, stream in zip(running, streams, strict=True):
+            seq.text_stream = stream
+            stream.feed(seq.output_token_ids)
+            stream.take(False)
 
 
 def config(name: str) -> ModelConfig:
@@ -132,7 +152,8 @@ def bench_model(
     model = LlamaModel(cfg, torch.bfloat16, device)
     model.init_random(seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    block_size, max_len = 16, 640
+    block_size = 16
+    max_len = -(-(PROMPT_LEN + RUNS * REPS * STEPS + 8) // block_size) * block_size
     max_b = max(batches)
     num_blocks = max_b * (max_len // block_size) + 1
     t0 = time.perf_counter()
@@ -176,9 +197,11 @@ def bench_model(
         bucket = next(k for k in sorted(engine.runner.graphs) if k >= b)
         graph = engine.runner.graphs[bucket]
         tune_gc()  # as the worker does once it is up
-        step_times, replay_times, sync_times, gc_times = [], [], [], []
+        step_times, replay_times, sync_times, gc_times, front_times = [], [], [], [], []
         for _ in range(REPS):
             step_times.append(per_call(engine.step))
+            # as the worker serves plain streams: its front makes the text from the tokens
+            front_times.append(per_call_without_text(engine))
             # the same steps with each step's tokens read back before the next is planned
             engine.set_async_scheduling(False)
             sync_times.append(per_call(engine.step))
@@ -188,6 +211,7 @@ def bench_model(
             # graph replay alone (no host work): the GPU time of one step
             replay_times.append(per_call(graph.replay))
         step_s, replay_s = statistics.median(step_times), statistics.median(replay_times)
+        front_s = statistics.median(front_times)
         sync_s, gc_s = statistics.median(sync_times), statistics.median(gc_times)
         if profile and b == 1:
             print_kernel_profile(graph, name)
@@ -203,6 +227,9 @@ def bench_model(
                 replay_ms=replay_s * 1e3,
                 replay_ms_range=(min(replay_times) * 1e3, max(replay_times) * 1e3),
                 engine_over_replay=step_s / replay_s,
+                front_ms=front_s * 1e3,
+                front_ms_range=(min(front_times) * 1e3, max(front_times) * 1e3),
+                front_over_replay=front_s / replay_s,
                 sync_ms=sync_s * 1e3,
                 sync_over_replay=sync_s / replay_s,
                 gc_default_ms=gc_s * 1e3,
@@ -250,15 +277,18 @@ def main() -> None:
         f"interleaved rounds of {STEPS} engine steps each way and {STEPS} graph replays: medians (min-max).",
         "",
         "| model | batch | decode tok/s | step ms (engine) | step ms (graph replay) | engine / replay | "
+        "step ms, text made by the front | engine / replay, text made by the front | "
         "engine / replay, synchronous scheduling | engine / replay, Python's default GC | "
         "roofline ms | engine / roofline | replay / roofline | weights GB | KV read GB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} "
             f"({r['step_ms_range'][0]:.2f}-{r['step_ms_range'][1]:.2f}) | {r['replay_ms']:.2f} "
             f"({r['replay_ms_range'][0]:.2f}-{r['replay_ms_range'][1]:.2f}) | {r['engine_over_replay']:.2f}x | "
+            f"{r['front_ms']:.2f} ({r['front_ms_range'][0]:.2f}-{r['front_ms_range'][1]:.2f}) | "
+            f"{r['front_over_replay']:.2f}x | "
             f"{r['sync_over_replay']:.2f}x ({r['sync_ms']:.2f} ms) | "
             f"{r['gc_default_over_replay']:.2f}x ({r['gc_default_ms']:.2f} ms) | "
             f"{r['roof_ms']:.2f} | {r['ratio']:.2f}x | {r['replay_ratio']:.2f}x | {r['weights_gb']:.2f} | "
