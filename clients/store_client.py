@@ -29,7 +29,11 @@ from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
 if TYPE_CHECKING:
     from loraserve.clients.adapter_fetch import FetchedAdapter
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.http2.lookahead_bytes", 8 << 20),  # a fetch's stream runs up to 8 MiB ahead of its reader
+]
 
 
 def _options(tls_server_name: str | None) -> list[tuple[str, object]]:
