@@ -20,6 +20,7 @@ when its stdin closes (the worker is gone)."""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import mmap
 import os
 import shutil
@@ -30,7 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import grpc
 
 SEGMENT_ALIGN = 1 << 20
 
@@ -112,19 +116,35 @@ class Segments:
 
 class Child:
     def __init__(self, config: dict[str, Any], send: Callable[[tuple], None]) -> None:
-        import grpc
 
         from loraserve.clients.channel import open_channel
 
         self.config, self._send = config, send
-        self.channel: grpc.Channel = open_channel(
-            config["address"], root_certificates=config.get("tls_root_cert"), options=config["options"]
-        )
         workers = int(config["max_fetches"])
+        # one connection to the store per fetch thread: gRPC works one connection's bytes on one
+        # thread at a time, so fetches sharing a connection share its pace (a pool of its own keeps
+        # each channel's connection apart from the others')
+        self.channels: list[grpc.Channel] = [
+            open_channel(
+                config["address"],
+                root_certificates=config.get("tls_root_cert"),
+                options=[*config["options"], ("grpc.use_local_subchannel_pool", 1)],
+            )
+            for _ in range(workers)
+        ]
+        self._local = threading.local()
+        self._turn = itertools.count()
         self.threads = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="adapter-fetch")
         self.segments = Segments(
             Path(config["directory"]), keep=workers + 2, dropped=lambda n: send(("dropped", n))
         )
+
+    def channel(self) -> grpc.Channel:
+        """The calling fetch thread's own channel."""
+        channel = getattr(self._local, "channel", None)
+        if channel is None:
+            channel = self._local.channel = self.channels[next(self._turn) % len(self.channels)]
+        return channel
 
     def fetch(self, req: int, adapter_id: str, digest: str, metadata: list[tuple[str, str]]) -> None:
         import grpc
@@ -141,7 +161,7 @@ class Child:
 
         try:
             fetched = fetch_adapter(
-                self.channel,
+                self.channel(),
                 adapter_id,
                 digest=digest,
                 max_retries=int(self.config["max_retries"]),
@@ -208,7 +228,8 @@ def main() -> None:
         child.serve(inbox.recv)
     finally:
         child.threads.shutdown(wait=False, cancel_futures=True)
-        child.channel.close()
+        for channel in child.channels:
+            channel.close()
         # the worker removes the segments too; this covers a worker that was killed
         shutil.rmtree(config["directory"], ignore_errors=True)
     sys.stderr.flush()
