@@ -187,3 +187,26 @@ def test_close_removes_the_shared_memory(lora_store):
     directory, proc = run(_with_source(lora_store.address, body))
     assert not directory.exists()
     assert proc.poll() is not None
+
+
+def test_fetches_at_once_use_connections_of_their_own(lora_store, caplog):
+    """Each fetch thread of the process has a connection to the store of its own (one connection's
+    bytes are worked on one thread at a time): fetches that overlap reach the store from more than
+    one peer, and never from more than the process has threads (each thread keeps its one)."""
+    names = ["all-r4", "qv-r8", "mlp-rs16", "patterned"] * 3
+
+    async def body(source):
+        await source.fetch("all-r4")  # the process is up before the fetches that overlap
+        caplog.clear()
+        return await asyncio.gather(*(source.fetch(n) for n in names))
+
+    with caplog.at_level("INFO", logger="loraserve.access"):
+        got = run(_with_source(lora_store.address, body, max_fetches=3))
+    assert [g.adapter_id for g in got] == names
+    peers = [
+        r.fields["peer"]  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.name == "loraserve.access" and r.fields["method"] == "FetchAdapter"  # type: ignore[attr-defined]
+    ]
+    # as many peers as threads took fetches: more than one (the fetches overlap), at most three
+    assert len(peers) == len(names) and 2 <= len(set(peers)) <= 3, peers
