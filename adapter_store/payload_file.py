@@ -162,15 +162,15 @@ class PayloadReader:
         chunks: list[bytes] | None = None,
         step: int | None = None,
     ) -> OptimizedAdapter:
-        """Read and hash the payload, `step` bytes at a time (default READ_STEP); `progress(bytes read so far)` after
-        each step (the bytes are in memory, not yet checked). With `chunks`, each step's bytes are
-        also appended to it, before its `progress`, as the serialized FetchAdapter chunk message of
-        their range (`chunk_codec.encode_chunk`): made here, beside the fetches' event loop, which
-        then sends them as they are. Every copy lets go of the interpreter lock (the read into a
-        bytes object, numpy's copy into the buffer, bytes.join of bytes, the hash on a thread beside
-        the reads), so reading does not hold up the fetches' event loop. CorruptPayload when the
-        payload is short or its sha256 is not the key's digest, OSError when it cannot be read. The
-        file is closed either way."""
+        """Read and hash the payload, `step` bytes at a time (default READ_STEP); `progress(bytes
+        read so far)` after each step (the bytes are in memory, not yet checked). With `chunks`,
+        each step's bytes are also appended to it, before its `progress`, as the serialized
+        FetchAdapter chunk message of their range (`chunk_codec.encode_chunk`): made here, beside
+        the fetches' event loop, which then sends them as they are. Every copy lets go of the
+        interpreter lock (the read into a bytes object, numpy's copy into the buffer, bytes.join of
+        bytes, the hash on a thread beside the reads), so reading does not hold up the fetches'
+        event loop. CorruptPayload when the payload is short or its sha256 is not the key's digest,
+        OSError when it cannot be read. The file is closed either way."""
         total, step = self.adapter.total_bytes, step or READ_STEP
         array = self.adapter.payload.numpy()
         sha = hashlib.sha256()
