@@ -2,7 +2,8 @@
 
 However many sequences and admin calls want one version, one fetch runs; every sequence waiting
 for it is remembered, so a failed fetch fails exactly those (the next request tries again). A
-fetch that an invalidation overtook (the store changed the adapter meanwhile) is repeated.
+fetch that an invalidation overtook (the store changed the adapter meanwhile) is repeated. With
+every fetch thread of the source busy, the fetch somebody waits for goes next (fetch_gate.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loraserve.inference_worker.adapters.fetch_gate import FetchGate
 from loraserve.inference_worker.adapters.metrics import AdapterMetrics
 from loraserve.inference_worker.adapters.refs import AdapterRef
 from loraserve.inference_worker.errors import DependencyUnavailable, NoAdapterStore, WorkerError
@@ -26,6 +29,9 @@ MAX_FAILED_KEPT = 4096
 
 
 class AdapterSource(Protocol):
+    """Where adapters come from. A source with a `max_fetches` attribute runs that many fetches at
+    once; the fetcher then sends it no more, urgent ones first (fetch_gate.py)."""
+
     async def fetch(self, adapter_id: str, digest: str = "") -> AdapterPayload: ...
 
 
@@ -46,6 +52,11 @@ class Flight:
     waiters: set[int] = field(default_factory=set)  # sequence keys
     future: concurrent.futures.Future[str] | None = None  # -> version key "id@digest"
     trace_context: object = None  # of the request (or admin call) that started it; None while off
+    awaited: bool = False  # a caller other than a queued request waits for it (an operator's load)
+
+    def urgent(self) -> bool:
+        """Someone waits for it: before fetches that only bring adapters in ahead of need."""
+        return self.awaited or bool(self.waiters)
 
 
 class AdapterFetcher:
@@ -61,6 +72,8 @@ class AdapterFetcher:
         self._failed: dict[int, WorkerError] = {}  # sequence key -> why its adapter cannot load
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listeners: list[Callable[[], None]] = []
+        limit = getattr(source, "max_fetches", None)
+        self.gate: FetchGate | None = FetchGate(limit) if isinstance(limit, int) and limit > 0 else None
 
     def start(self, loop: asyncio.AbstractEventLoop, on_done: Callable[[], None] | None = None) -> None:
         """Fetches run on `loop`; `on_done` is called (from the loop) whenever one ends."""
@@ -69,9 +82,10 @@ class AdapterFetcher:
             self._listeners.append(on_done)
 
     # ------------------------------------------------------------------ under the state lock
-    def fetch(self, ref: AdapterRef, waiter: int | None = None) -> Flight:
+    def fetch(self, ref: AdapterRef, waiter: int | None = None, awaited: bool = False) -> Flight:
         """The flight bringing `ref` in, started unless one already is; `waiter` (a sequence key)
-        learns of its failure through `take_failure`."""
+        learns of its failure through `take_failure`; `awaited`: the caller waits for the flight
+        itself (both make it urgent)."""
         flight = self.flights.get(ref)
         if flight is None:
             if self.source is None:
@@ -83,6 +97,7 @@ class AdapterFetcher:
             flight.future = asyncio.run_coroutine_threadsafe(self._fly(flight), self._loop)
         if waiter is not None:
             flight.waiters.add(waiter)
+        flight.awaited |= awaited
         return flight
 
     def take_failure(self, seq_key: int) -> WorkerError | None:
@@ -113,7 +128,8 @@ class AdapterFetcher:
             for _ in range(MAX_STALE_RETRIES):
                 with self._lock:
                     generation = self._installer.generation(ref.adapter_id)
-                payload = await self.source.fetch(ref.adapter_id, ref.digest)
+                async with self.gate.slot(flight.urgent) if self.gate is not None else nullcontext():
+                    payload = await self.source.fetch(ref.adapter_id, ref.digest)
                 self._installer.check(payload)
                 with self._lock:
                     if self._installer.install(payload, generation):
@@ -148,6 +164,12 @@ class AdapterFetcher:
                     del self.flights[ref]
             for listener in self._listeners:
                 listener()
+
+    def close(self) -> None:
+        """On the loop, as the worker stops: fetches waiting for a fetch thread fail (UNAVAILABLE)
+        instead of waiting for a source that is closing."""
+        if self.gate is not None:
+            self.gate.close(lambda: DependencyUnavailable("the worker's adapter fetches are stopping"))
 
     def run_on_loop(self, coro) -> None:  # type: ignore[no-untyped-def]
         """Schedule a coroutine on the fetch loop (from any thread); dropped when none runs."""

@@ -197,7 +197,7 @@ class AdapterPool:
             key = self.versions.resolve(ref)
             if key is not None and self.tiers.holds(key):
                 return key
-            flight = self.fetcher.fetch(ref)
+            flight = self.fetcher.fetch(ref, awaited=True)
         assert flight.future is not None
         return await asyncio.wrap_future(flight.future)
 

@@ -90,6 +90,11 @@ class StoreSource:
             else:
                 log.info("no shared memory at %s: adapters are fetched in the worker's process", fp.SHM_DIR)
 
+    @property
+    def max_fetches(self) -> int:
+        """Fetches that run at once (the fetch threads); the adapters' fetcher sends no more."""
+        return self._max_fetches
+
     def start(self) -> None:
         """Start the fetch process now (else the first fetch does)."""
         if self._process is not None:

@@ -102,6 +102,7 @@ class WorkerAdapters:
         if self.store_check is not None:
             await self.store_check.stop()
         await asyncio.to_thread(self.sync.stop)
+        self.pool.fetcher.close()
         close = getattr(self.pool.fetcher.source, "close", None)
         if close is not None:
             await close()

@@ -74,6 +74,12 @@ class Harness:
         raise TimeoutError(ref)
 
     def close(self) -> None:
+        import time
+
+        self.loop.call_soon_threadsafe(self.pool.fetcher.close)
         self.run(self.source.close())
+        end = time.monotonic() + 5.0
+        while self.pool.fetcher.flights and time.monotonic() < end:  # fetches the close ended
+            time.sleep(0.01)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
