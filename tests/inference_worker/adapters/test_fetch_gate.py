@@ -51,18 +51,42 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_places_are_taken_in_arrival_order_up_to_the_capacity() -> None:
+def test_places_are_taken_in_arrival_order_one_kept_for_urgent_fetches() -> None:
+    """Of three places, fetches nobody waits for take two, in arrival order."""
+
     async def body():
-        gate = FetchGate(2)
+        gate = FetchGate(3)
         e = Entries(gate)
         for name in "abcde":
             e.start(name)
         await settle()
-        assert e.order == ["a", "b"] and gate.num_waiting == 3
+        assert e.order == ["a", "b"] and gate.num_waiting == 3 and gate.running == 2
         for name in "abcde":
             await e.release(name)
         assert e.order == list("abcde") and e.inside_max == 2
-        assert gate.running == 0 and gate.num_queued == 3 and gate.num_ahead == 0
+        assert gate.running == 0 and gate.background == 0 and gate.num_queued == 3 and gate.num_ahead == 0
+
+    run(body())
+
+
+def test_a_fetch_somebody_waits_for_starts_at_once_in_the_place_kept_for_it() -> None:
+    async def body():
+        gate = FetchGate(4)
+        e = Entries(gate)
+        for i in range(6):
+            e.start(f"prefetch-{i}")
+        await settle()
+        assert gate.running == 3 and gate.num_waiting == 3
+        e.start("request", urgent=lambda: True)
+        await settle()
+        assert e.order[-1] == "request" and gate.running == 4 and gate.num_ahead == 1
+        await e.release("request")  # its place stays free for the next urgent fetch
+        assert gate.running == 3 and gate.num_waiting == 3
+        await e.release("prefetch-0")  # a prefetch's place goes to the next prefetch
+        assert e.order[-1] == "prefetch-3" and gate.running == 3
+        for i in (1, 2, 3, 4, 5):
+            await e.release(f"prefetch-{i}")
+        assert gate.running == 0 and gate.background == 0 and e.inside_max == 4
 
     run(body())
 
