@@ -21,7 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,11 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_fetch_contention import SHAPES  # noqa: E402
-from bench_store import start_store, wait_ready  # noqa: E402
+from bench_store import store_with_adapters  # noqa: E402
 
-from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
-from loraserve.clients.store_client import StoreClient  # noqa: E402
-from loraserve.contract.adapter_layout import MODULES  # noqa: E402
 from loraserve.inference_worker.adapters.store_source import StoreSource  # noqa: E402
 
 
@@ -144,39 +140,14 @@ def main() -> int:
     ks = [int(k) for k in args.ks.split(",")]
     config = SHAPES[args.shape]
     count = 2 * max(ks)  # distinct adapters: a round never fetches one the round before fetched
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        base = tmp_path / "base"
-        base.mkdir()
-        (base / "config.json").write_text(json.dumps(config))
-        names = [f"a{i}" for i in range(count)]
-        for i, name in enumerate(names):
-            spec = DemoAdapterSpec(
-                name, r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, seed=i
-            )
-            write_peft_adapter(
-                tmp_path / "root" / name,
-                config,
-                spec,
-                dtype=torch.bfloat16,
-                base_model_name=config["_name_or_path"],
-            )
-        cache = "1" if args.origin == "disk" else str(count + 1)
-        store, address = start_store(
-            ["--host", "127.0.0.1", "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
-             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING", "--cache-max-adapters", cache],
-            cwd=str(ROOT),
-        )  # fmt: skip
-        try:
-            wait_ready(address, store)
-            with StoreClient(address) as client:
-                payload_bytes = 0
-                for name in names:
-                    payload_bytes = client.register(name, name).size_bytes
-            rows = asyncio.run(measure(address, names, ks, args.rounds, store.pid))
-        finally:
-            store.terminate()
-            store.wait()
+    names = [f"a{i}" for i in range(count)]
+    cache = 1 if args.origin == "disk" else count + 1
+    with store_with_adapters(config, names, args.rank, cache_max_adapters=cache) as (
+        store,
+        address,
+        payload_bytes,
+    ):
+        rows = asyncio.run(measure(address, names, ks, args.rounds, store.pid))
     host = platform.node()
     print(f"\n{count} distinct {args.shape}-shaped rank-{args.rank} adapters ({payload_bytes / 1e6:.1f} MB), "
           f"found on the store's {args.origin}; {os.cpu_count()} CPUs, {host}")  # fmt: skip

@@ -21,7 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,12 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_store import LLAMA3_8B, start_store, wait_ready  # noqa: E402
+from bench_store import LLAMA3_8B, store_with_adapters  # noqa: E402
 from serving_fleet import SHAPES as SERVING_SHAPES  # noqa: E402
 
-from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
-from loraserve.clients.store_client import StoreClient  # noqa: E402
-from loraserve.contract.adapter_layout import MODULES  # noqa: E402
 from loraserve.inference_worker.adapters.store_source import StoreSource  # noqa: E402
 from loraserve.inference_worker.model.tiny import llama_config  # noqa: E402
 
@@ -126,55 +122,29 @@ def main() -> int:
     args = p.parse_args()
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     config = SHAPES[args.shape]
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        base = tmp_path / "base"
-        base.mkdir()
-        (base / "config.json").write_text(json.dumps(config))
-        for seed, name in enumerate(("bench", "other")):
-            spec = DemoAdapterSpec(
-                name, r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, seed=7 + seed
-            )
-            write_peft_adapter(
-                tmp_path / "root" / name,
-                config,
-                spec,
-                dtype=torch.bfloat16,
-                base_model_name=config["_name_or_path"],
-            )
-        store, address = start_store(
-            ["--host", "127.0.0.1", "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
-             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING",
-             *(["--cache-max-adapters", "1"] if args.origin == "disk" else [])],
-            cwd=str(ROOT),
-        )  # fmt: skip
-        try:
-            wait_ready(address, store)
-            with StoreClient(address) as client:
-                payload_bytes = client.register("bench", "bench").size_bytes
-                client.register("other", "other")
-            results: dict[str, list[float]] = {}
+    cache = 1 if args.origin == "disk" else None
+    with store_with_adapters(
+        config, ["bench", "other"], args.rank, first_seed=7, cache_max_adapters=cache
+    ) as (_, address, payload_bytes):
+        results: dict[str, list[float]] = {}
 
-            async def measure() -> None:
-                sources = {
-                    "in-process": StoreSource(address, fetch_process=False),
-                    "fetch process": StoreSource(address, fetch_process=True),
-                }
-                try:
-                    for _ in range(args.rounds):
-                        for name, source in sources.items():
-                            for load in ("alone", "busy"):
-                                with Busy() if load == "busy" else contextlib.nullcontext():
-                                    times = await timed_fetches(source, args.repeats, args.origin == "disk")
-                                results.setdefault(f"{name}|{load}", []).extend(times)
-                finally:
-                    for source in sources.values():
-                        await source.close()
+        async def measure() -> None:
+            sources = {
+                "in-process": StoreSource(address, fetch_process=False),
+                "fetch process": StoreSource(address, fetch_process=True),
+            }
+            try:
+                for _ in range(args.rounds):
+                    for name, source in sources.items():
+                        for load in ("alone", "busy"):
+                            with Busy() if load == "busy" else contextlib.nullcontext():
+                                times = await timed_fetches(source, args.repeats, args.origin == "disk")
+                            results.setdefault(f"{name}|{load}", []).extend(times)
+            finally:
+                for source in sources.values():
+                    await source.close()
 
-            asyncio.run(measure())
-        finally:
-            store.terminate()
-            store.wait()
+        asyncio.run(measure())
     rows = {}
     for key, times in results.items():
         times = sorted(times)

@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,11 +30,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_fetch_contention import SHAPES  # noqa: E402
-from bench_store import start_store, wait_ready  # noqa: E402
+from bench_store import store_with_adapters  # noqa: E402
 
-from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
-from loraserve.clients.store_client import StoreClient  # noqa: E402
-from loraserve.contract.adapter_layout import MODULES  # noqa: E402
 from loraserve.inference_worker.adapters.fetcher import AdapterFetcher  # noqa: E402
 from loraserve.inference_worker.adapters.metrics import AdapterMetrics  # noqa: E402
 from loraserve.inference_worker.adapters.refs import AdapterRef  # noqa: E402
@@ -108,38 +104,9 @@ def main() -> int:
     args = p.parse_args()
     config = SHAPES[args.shape]
     count = 2 * (args.behind + 1)  # a round never fetches what the round before fetched
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        base = tmp_path / "base"
-        base.mkdir()
-        (base / "config.json").write_text(json.dumps(config))
-        names = [f"a{i}" for i in range(count)]
-        for i, name in enumerate(names):
-            spec = DemoAdapterSpec(
-                name, r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, seed=i
-            )
-            write_peft_adapter(
-                tmp_path / "root" / name,
-                config,
-                spec,
-                dtype=torch.bfloat16,
-                base_model_name=config["_name_or_path"],
-            )
-        store, address = start_store(
-            ["--host", "127.0.0.1", "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
-             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING", "--cache-max-adapters", "1"],
-            cwd=str(ROOT),
-        )  # fmt: skip
-        try:
-            wait_ready(address, store)
-            with StoreClient(address) as client:
-                payload_bytes = 0
-                for name in names:
-                    payload_bytes = client.register(name, name).size_bytes
-            times = measure(address, names, args.behind, args.rounds)
-        finally:
-            store.terminate()
-            store.wait()
+    names = [f"a{i}" for i in range(count)]
+    with store_with_adapters(config, names, args.rank, cache_max_adapters=1) as (_, address, payload_bytes):
+        times = measure(address, names, args.behind, args.rounds)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     print(
         f"\na request's fetch right behind {args.behind} prefetches of {args.shape}-shaped rank-{args.rank} "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -83,6 +85,47 @@ def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 60.0) -> N
         except grpc.FutureTimeoutError:
             if time.time() > deadline:
                 raise
+
+
+@contextlib.contextmanager
+def store_with_adapters(
+    config: dict, names: list[str], rank: int, *, first_seed: int = 0, cache_max_adapters: int | None = None
+) -> Iterator[tuple[subprocess.Popen, str, int]]:
+    """A store process on port 0 (its data in a temporary directory, the base model `config`), with
+    a PEFT adapter of `rank` on all seven modules registered under each of `names` (seeds from
+    `first_seed`); -> (the process, its address, one payload's bytes). Stopped on exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        base = tmp_path / "base"
+        base.mkdir()
+        (base / "config.json").write_text(json.dumps(config))
+        for i, name in enumerate(names):
+            spec = DemoAdapterSpec(
+                name, r=rank, lora_alpha=2 * rank, target_modules=MODULES, seed=first_seed + i
+            )
+            write_peft_adapter(
+                tmp_path / "root" / name,
+                config,
+                spec,
+                dtype=torch.bfloat16,
+                base_model_name=config["_name_or_path"],
+            )
+        cache = [] if cache_max_adapters is None else ["--cache-max-adapters", str(cache_max_adapters)]
+        store, address = start_store(
+            ["--host", "127.0.0.1", "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
+             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING", *cache],
+            cwd=str(ROOT),
+        )  # fmt: skip
+        try:
+            wait_ready(address, store)
+            payload_bytes = 0
+            with StoreClient(address) as client:
+                for name in names:
+                    payload_bytes = client.register(name, name).size_bytes
+            yield store, address, payload_bytes
+        finally:
+            store.terminate()
+            store.wait()
 
 
 def timed(fn, repeats: int) -> tuple[tuple[float, float], object]:
