@@ -34,8 +34,6 @@ class FetchGate:
         self.background = 0  # places held by fetches that nobody waited for when let in
         self._waiting: list[_Waiter] = []  # in arrival order
         self._closed: Callable[[], BaseException] | None = None
-        self.num_queued = 0  # fetches that waited for a place
-        self.num_ahead = 0  # urgent fetches let in before others that had waited longer
 
     @property
     def num_waiting(self) -> int:
@@ -68,7 +66,6 @@ class FetchGate:
         self._let_in()
         if waiter.future.done():  # in at once
             return waiter.future.result()
-        self.num_queued += 1
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -92,7 +89,6 @@ class FetchGate:
                 if self.background >= self.capacity - self.reserved:
                     return  # the place left is for an urgent fetch
                 i = 0
-            self.num_ahead += i > 0
             waiter = self._waiting.pop(i)
             self.running += 1
             self.background += background

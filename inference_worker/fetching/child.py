@@ -20,7 +20,6 @@ when its stdin closes (the worker is gone)."""
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import mmap
 import os
 import shutil
@@ -116,7 +115,6 @@ class Segments:
 
 class Child:
     def __init__(self, config: dict[str, Any], send: Callable[[tuple], None]) -> None:
-
         from loraserve.clients.channel import open_channel
 
         self.config, self._send = config, send
@@ -133,18 +131,15 @@ class Child:
             for _ in range(workers)
         ]
         self._local = threading.local()
-        self._turn = itertools.count()
-        self.threads = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="adapter-fetch")
+        unused = iter(self.channels)
+        self.threads = concurrent.futures.ThreadPoolExecutor(
+            workers,
+            thread_name_prefix="adapter-fetch",
+            initializer=lambda: setattr(self._local, "channel", next(unused)),  # each thread its own
+        )
         self.segments = Segments(
             Path(config["directory"]), keep=workers + 2, dropped=lambda n: send(("dropped", n))
         )
-
-    def channel(self) -> grpc.Channel:
-        """The calling fetch thread's own channel."""
-        channel = getattr(self._local, "channel", None)
-        if channel is None:
-            channel = self._local.channel = self.channels[next(self._turn) % len(self.channels)]
-        return channel
 
     def fetch(self, req: int, adapter_id: str, digest: str, metadata: list[tuple[str, str]]) -> None:
         import grpc
@@ -161,7 +156,7 @@ class Child:
 
         try:
             fetched = fetch_adapter(
-                self.channel(),
+                self._local.channel,
                 adapter_id,
                 digest=digest,
                 max_retries=int(self.config["max_retries"]),
