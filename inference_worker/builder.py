@@ -165,7 +165,14 @@ def build_adapters(
     else:
         coordinator = InProcessCoordinator()
     if tp is None:
-        slots = LoRASlots(model.config.raw, config.max_loras, config.max_lora_rank, model.dtype, model.device)
+        slots = LoRASlots(
+            model.config.raw,
+            config.max_loras,
+            config.max_lora_rank,
+            model.dtype,
+            model.device,
+            copy_stream=config.slot_copy_stream,
+        )
     else:
         from loraserve.inference_worker.parallel.leader import MirroredSlots
 

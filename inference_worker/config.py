@@ -51,6 +51,8 @@ _HELP = {
     "tensor_parallel_timeout_s": "seconds a rank waits for another inside a step before the worker "
     "gives up and exits (a rank that dies is noticed at once; this bounds a rank that hangs)",
     "max_loras": "GPU adapter slots",
+    "slot_copy_stream": "upload adapters into GPU slots on a copy stream of their own, beside the steps "
+    "already queued (CUDA); off, each upload waits for them and the next step for it",
     "max_cpu_loras": "adapters kept in the CPU cache",
     "max_lora_rank": "largest adapter rank accepted",
     "max_cpu_lora_mb": "CPU cache budget for adapter payloads, in MiB",
@@ -106,6 +108,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
     max_loras: int = 4
+    slot_copy_stream: bool = True
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
     max_cpu_lora_mb: int = 8192

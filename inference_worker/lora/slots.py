@@ -10,10 +10,15 @@ sized once at start-up, plus each slot's rank per (layer, group).
 Filling a slot copies an optimized payload (loraserve/contract/adapter_layout.py) with no transform. On CUDA:
 one async host-to-device copy of the whole pinned payload into a staging buffer, then a few
 device-side strided copies — one per (group, A|B) for the usual adapter whose tensors repeat with
-a fixed stride across consecutive layers, since buffers of one group are stacked over layers —
-all on the caller's current stream, so the step that first reads the slot is ordered after it.
-The staging buffer and the copies' views (per slot and payload layout) are made once and reused,
-so a load is a few calls on the step thread, whatever the number of tensors.
+a fixed stride across consecutive layers, since buffers of one group are stacked over layers.
+The host-to-device copy (11–22 MB for a 1B model at rank 8–16, ~0.25–0.5 ms over PCIe) runs on a
+copy stream of its own, so the steps already queued on the caller's stream keep running beside
+it; the caller's stream waits for it and then runs the device-side copies (tens of µs), so the
+step that first reads the slot is ordered after the load and the steps queued before it, which
+may still read the slot's old weights, before the slot is overwritten. A few staging buffers
+(STAGING_BUFFERS) let the next load's upload start while the last one's device-side copies still
+wait their turn. Staging buffers and the copies' views (per slot, buffer and payload layout) are
+made once and reused, so a load is a few calls on the step thread, whatever the number of tensors.
 Entries past a slot's rank are never read by the kernels, so nothing is cleared on eviction.
 
 Under tensor parallelism (`shard`), each rank's buffers hold its shard as S-LoRA lays it out:
@@ -44,7 +49,8 @@ from loraserve.inference_worker.parallel.shard import Range, TensorShard
 
 log = logging.getLogger(__name__)
 GROUP_INDEX = {g.name: i for i, g in enumerate(GROUPS)}
-VIEW_CACHE_SIZE = 1024  # (slot, payload layout) pairs whose copy views are kept
+VIEW_CACHE_SIZE = 1024  # (slot, staging buffer, payload layout) triples whose copy views are kept
+STAGING_BUFFERS = 3  # uploads that may be in flight ahead of their device-side copies
 
 
 class SlotLoadError(ValueError):
@@ -66,6 +72,32 @@ class CopyRun:
     stride: int  # bytes between consecutive layers' tensors
 
 
+class Staging:
+    """A device buffer a payload is uploaded into before the device-side copies into a slot.
+    `uploaded` is recorded on the copy stream after an upload, `released` on the caller's stream
+    after the copies out of it: the next upload into it waits for that."""
+
+    def __init__(self, index: int, nbytes: int, device: torch.device) -> None:
+        self.index = index
+        # Allocated on the caller's stream, where every upload into it is waited for before
+        # anything else runs, so a later reuse of its memory there is ordered after its uploads.
+        # The memory may have been a dropped buffer's whose copies out are still queued there:
+        # `released` recorded now makes the first upload into it wait for them.
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.heads: dict[int, torch.Tensor] = {}  # the buffer's first n bytes, by n
+        self.uploaded = torch.cuda.Event()
+        self.released = torch.cuda.Event()
+        self.released.record(torch.cuda.current_stream(device))
+
+    def head(self, nbytes: int) -> torch.Tensor:
+        got = self.heads.get(nbytes)
+        if got is None:
+            if len(self.heads) >= VIEW_CACHE_SIZE:
+                self.heads.clear()
+            got = self.heads[nbytes] = self.buffer[:nbytes]
+        return got
+
+
 class LoRASlots:
     def __init__(
         self,
@@ -75,7 +107,10 @@ class LoRASlots:
         dtype: torch.dtype,
         device: torch.device | str,
         shard: TensorShard | None = None,
+        copy_stream: bool = True,
     ) -> None:
+        """`copy_stream` False: uploads run on the caller's stream, in line with its steps (for
+        measuring the difference)."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -111,12 +146,16 @@ class LoRASlots:
         self.a = [{g.name: self.a_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.b = [{g.name: self.b_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.ranks = torch.zeros(n, len(GROUPS), max_loras, dtype=torch.int32, device=self.device)
-        self._staging: torch.Tensor | None = None  # CUDA loads: the payload's bytes on the device
+        # CUDA loads: the payloads' bytes on the device, and the stream uploading them
+        self._stagings: list[Staging] = []
+        self._next_staging = 0  # taken in turn when none is released yet
+        self._copy_stream = (
+            torch.cuda.Stream(self.device) if copy_stream and self.device.type == "cuda" else None
+        )
         self._staging_lock = threading.Lock()
         self._view_cache: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._rank_cache: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
         self._plan_cache: dict[tuple, tuple[list[CopyRun], tuple[tuple[int, ...], ...]]] = {}
-        self._heads: dict[int, torch.Tensor] = {}  # the staging buffer's first n bytes, by n
         self._rank_rows = [self.ranks[:, :, slot] for slot in range(max_loras)]
 
     @staticmethod
@@ -263,7 +302,8 @@ class LoRASlots:
         return str(self.dtype).removeprefix("torch.")
 
     def load(self, slot: int, payload: AdapterPayload) -> None:
-        """Copy `payload` into `slot` (asynchronously on CUDA, on the current stream)."""
+        """Copy `payload` into `slot` (asynchronously on CUDA: work queued on the current stream
+        after this call sees the new weights, work queued before it the old ones)."""
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
         runs, ranks = self._plan(payload)
@@ -271,10 +311,20 @@ class LoRASlots:
         if self.device.type == "cuda" and data.device.type != "cuda":
             if self.shard_ranges is None and all(run.dtype == self.dtype for run in runs):
                 # a handful of calls, each a point where the step thread may lose the interpreter
-                # to another thread: one staging buffer and the copies' views, reused
+                # to another thread: staging buffers and the copies' views, reused
                 with self._staging_lock:
-                    staging, head = self._staging_for(payload.nbytes)
-                    head.copy_(data, non_blocking=payload.pinned)
+                    staging = self._staging_for(payload.nbytes)
+                    head = staging.head(payload.nbytes)
+                    stream = torch.cuda.current_stream(self.device)
+                    copy = self._copy_stream
+                    if copy is None:
+                        head.copy_(data, non_blocking=payload.pinned)
+                    else:
+                        copy.wait_event(staging.released)  # the last copies out of it have run
+                        with torch.cuda.stream(copy):
+                            head.copy_(data, non_blocking=payload.pinned)
+                        staging.uploaded.record(copy)
+                        stream.wait_event(staging.uploaded)
                     dsts, srcs = self._views(slot, runs, staging)
                     # the slot's ranks ride along: one call for every device-side copy
                     torch._foreach_copy_(
@@ -282,6 +332,7 @@ class LoRASlots:
                         [*srcs, self._ranks_on_device(ranks)],
                         non_blocking=True,
                     )
+                    staging.released.record(stream)
                 return
             staged = torch.empty(payload.nbytes, dtype=torch.uint8, device=self.device)
             staged.copy_(data, non_blocking=payload.pinned)
@@ -319,33 +370,42 @@ class LoRASlots:
             return self.a_all[run.group][layers, slot, :, :r, :]
         return self.b_all[run.group][layers, slot, :, :r]
 
-    def _staging_for(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device staging buffer and its first `nbytes`, grown (and the cached views dropped)
-        when too small. Copies into it queue on the stream after the last load's copies out of it."""
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._view_cache.clear()
-            self._heads.clear()
-        head = self._heads.get(nbytes)
-        if head is None:
-            if len(self._heads) >= VIEW_CACHE_SIZE:
-                self._heads.clear()
-            head = self._heads[nbytes] = self._staging[:nbytes]
-        return self._staging, head
+    def _staging_for(self, nbytes: int) -> Staging:
+        """A staging buffer of at least `nbytes`: one whose last copies out have run if any (a
+        new one while there are fewer than STAGING_BUFFERS), else the next in turn, whose reuse
+        then waits on the device for them. Grown (its cached views dropped) when too small."""
+        free = next((s for s in self._stagings if s.released.query()), None)
+        if free is None and len(self._stagings) < STAGING_BUFFERS:
+            try:
+                free = Staging(len(self._stagings), nbytes, self.device)
+                self._stagings.append(free)
+            except torch.OutOfMemoryError:
+                if not self._stagings:
+                    raise
+                log.warning(
+                    "no device memory for another staging buffer; loads share %d", len(self._stagings)
+                )
+        if free is None:
+            free = self._stagings[self._next_staging % len(self._stagings)]
+            self._next_staging += 1
+        if free.buffer.numel() < nbytes:
+            self._stagings[free.index] = free = Staging(free.index, nbytes, self.device)
+            self._view_cache = {k: v for k, v in self._view_cache.items() if k[1] != free.index}
+        return free
 
     def _views(
-        self, slot: int, runs: list[CopyRun], staging: torch.Tensor
+        self, slot: int, runs: list[CopyRun], staging: Staging
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(destinations, sources) of a payload layout's copies into `slot`; adapters of one rank
-        and module set share a layout, so these are made once per (slot, layout)."""
-        key = (slot, tuple(runs))
+        and module set share a layout, so these are made once per (slot, staging buffer, layout)."""
+        key = (slot, staging.index, tuple(runs))
         got = self._view_cache.get(key)
         if got is None:
             if len(self._view_cache) >= VIEW_CACHE_SIZE:
                 self._view_cache.clear()
             got = self._view_cache[key] = (
                 [self._destination(run, slot) for run in runs],
-                [self._source(run, staging) for run in runs],
+                [self._source(run, staging.buffer) for run in runs],
             )
         return got
 

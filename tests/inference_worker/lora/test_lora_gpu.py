@@ -4,6 +4,8 @@ each row's adapter exactly as eager steps do, close to transformers + peft."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -277,3 +279,63 @@ def test_a_long_prefill_step_fuses_the_gate_up_delta_and_matches_peft(
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < 2e-2, f"adapter {name!r}: relative error {err:.2e} against peft"
     assert (fused[1] - fused[0]).abs().max() > 1e-2  # the gate | up adapter matters
+
+
+def test_uploads_run_beside_queued_work_and_land_after_its_reads(lora_adapter_root, base_config):
+    """A load's upload runs on the copy stream while the caller's stream is still busy; the copies
+    into the slot wait for the work queued before the load, which still reads the old weights;
+    more loads in a row than staging buffers all land, in order."""
+    from loraserve.inference_worker.lora import AdapterPayload, LoRASlots
+    from loraserve.inference_worker.lora.slots import STAGING_BUFFERS
+
+    def pinned(name):
+        p = payload_from_peft(lora_adapter_root / name, base_config, "bfloat16")
+        return AdapterPayload(p.adapter_id, p.digest, p.rank, p.data.pin_memory(), p.tensors)
+
+    def slot_one(slots):  # what a step reading slot 1 sees
+        return slots.a_all["qkv"][:, 1].clone(), slots.ranks[:, :, 1].clone()
+
+    payloads = [pinned(name) for name in ("qv-r8", "patterned", "mlp-rs16")]
+    cpu = LoRASlots(base_config, 4, 16, torch.bfloat16, "cpu")
+    gpu = LoRASlots(base_config, 4, 16, torch.bfloat16, "cuda")
+    for p in payloads:  # each layout's copy plan and ranks made once (a blocking copy the first time)
+        gpu.load(0, p)
+        cpu.load(0, p)
+        torch.cuda.synchronize()
+    assert len(gpu._stagings) == 1
+    torch.cuda._sleep(int(2e8))
+    for slot, p in enumerate(payloads):  # each staging buffer made while the others are in use
+        gpu.load(slot + 1, p)
+        cpu.load(slot + 1, p)
+    torch.cuda.synchronize()
+    assert len(gpu._stagings) == STAGING_BUFFERS == 3
+
+    cpu.load(1, payloads[0])
+    gpu.load(1, payloads[0])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of the caller's stream busy
+    busy = torch.cuda.Event()
+    busy.record()
+
+    before = slot_one(gpu)  # queued before the load: must read the old weights
+    gpu.load(1, payloads[1])  # every staging buffer is released: the first is taken
+    deadline = time.monotonic() + 0.5
+    while not gpu._stagings[0].uploaded.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert gpu._stagings[0].uploaded.query() and not busy.query(), (
+        "the upload waited for the work queued before it"
+    )
+    sequence = [(2, payloads[2]), (3, payloads[0]), (1, payloads[2]), (2, payloads[1]), (3, payloads[1])]
+    for slot, p in sequence:
+        gpu.load(slot, p)
+    after = slot_one(gpu)
+    torch.cuda.synchronize()
+    assert not torch.equal(before[1], after[1])
+    assert all(torch.equal(x.cpu(), y) for x, y in zip(before, slot_one(cpu), strict=True))
+    cpu.load(1, payloads[1])
+    for slot, p in sequence:
+        cpu.load(slot, p)
+    assert all(torch.equal(x.cpu(), y) for x, y in zip(after, slot_one(cpu), strict=True))
+    for g in cpu.a_all:
+        assert torch.equal(cpu.a_all[g], gpu.a_all[g].cpu()) and torch.equal(cpu.b_all[g], gpu.b_all[g].cpu())
+    assert torch.equal(cpu.ranks, gpu.ranks.cpu())
