@@ -170,15 +170,16 @@ def main() -> int:
         slots.load(0, pl)  # plans, views and the staging buffers made once
         inline.load(0, pl)
     torch.cuda.synchronize()
-    for load_name, busy in (("load, alone", False), ("load, busy interpreter", True)):
-        host_ms = []
-        with Busy() if busy else contextlib.nullcontext():
-            for i in range(args.loads):
-                t0 = time.perf_counter()
-                slots.load(i % args.max_loras, payloads[i % len(payloads)])
-                host_ms.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        rows[load_name] = percentiles(host_ms)
+    for busy in (False, True):
+        for how, target in (("", slots), (" (upload in line)", inline)):
+            host_ms = []
+            with Busy() if busy else contextlib.nullcontext():
+                for i in range(args.loads):
+                    t0 = time.perf_counter()
+                    target.load(i % args.max_loras, payloads[i % len(payloads)])
+                    host_ms.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+            rows[f"load{how}, {'busy interpreter' if busy else 'alone'}"] = percentiles(host_ms)
     # The device's part: loads queued back to back, the stream held until all are queued, so the
     # span between the events is the copies alone, not the host's pace (uploads in line on the
     # stream, so the span holds them too).

@@ -148,10 +148,11 @@ class LoRASlots:
         self.ranks = torch.zeros(n, len(GROUPS), max_loras, dtype=torch.int32, device=self.device)
         # CUDA loads: the payloads' bytes on the device, and the stream uploading them
         self._stagings: list[Staging] = []
-        self._next_staging = 0  # taken in turn when none is released yet
+        self._next_staging = 0  # staging buffers are taken in turn
         self._copy_stream = (
             torch.cuda.Stream(self.device) if copy_stream and self.device.type == "cuda" else None
         )
+        self._max_stagings = STAGING_BUFFERS if self._copy_stream is not None else 1
         self._staging_lock = threading.Lock()
         self._view_cache: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._rank_cache: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
@@ -332,7 +333,8 @@ class LoRASlots:
                         [*srcs, self._ranks_on_device(ranks)],
                         non_blocking=True,
                     )
-                    staging.released.record(stream)
+                    if copy is not None:
+                        staging.released.record(stream)
                 return
             staged = torch.empty(payload.nbytes, dtype=torch.uint8, device=self.device)
             staged.copy_(data, non_blocking=payload.pinned)
@@ -371,27 +373,30 @@ class LoRASlots:
         return self.b_all[run.group][layers, slot, :, :r]
 
     def _staging_for(self, nbytes: int) -> Staging:
-        """A staging buffer of at least `nbytes`: one whose last copies out have run if any (a
-        new one while there are fewer than STAGING_BUFFERS), else the next in turn, whose reuse
-        then waits on the device for them. Grown (its cached views dropped) when too small."""
-        free = next((s for s in self._stagings if s.released.query()), None)
-        if free is None and len(self._stagings) < STAGING_BUFFERS:
-            try:
-                free = Staging(len(self._stagings), nbytes, self.device)
-                self._stagings.append(free)
-            except torch.OutOfMemoryError:
-                if not self._stagings:
-                    raise
-                log.warning(
-                    "no device memory for another staging buffer; loads share %d", len(self._stagings)
-                )
-        if free is None:
-            free = self._stagings[self._next_staging % len(self._stagings)]
-            self._next_staging += 1
-        if free.buffer.numel() < nbytes:
-            self._stagings[free.index] = free = Staging(free.index, nbytes, self.device)
-            self._view_cache = {k: v for k, v in self._view_cache.items() if k[1] != free.index}
-        return free
+        """The next staging buffer in turn (made on first use, grown when smaller than `nbytes`,
+        its cached views dropped). Taken in turn rather than by asking which is free: each question
+        to the device is a point where the step thread may lose the interpreter. Its last copies
+        out were queued STAGING_BUFFERS loads ago, so an upload rarely waits for them. In line (no
+        copy stream), one is enough: the stream orders everything."""
+        index = self._next_staging % self._max_stagings
+        self._next_staging += 1
+        staging = self._stagings[index] if index < len(self._stagings) else None
+        if staging is not None and staging.buffer.numel() >= nbytes:
+            return staging
+        try:
+            made = Staging(index, nbytes, self.device)
+        except torch.OutOfMemoryError:
+            if index == 0:
+                raise
+            log.warning("no device memory for another adapter staging buffer; loads share %d", index)
+            self._max_stagings, self._next_staging = index, 0
+            return self._staging_for(nbytes)
+        if index < len(self._stagings):
+            self._stagings[index] = made
+            self._view_cache = {k: v for k, v in self._view_cache.items() if k[1] != index}
+        else:
+            self._stagings.append(made)
+        return made
 
     def _views(
         self, slot: int, runs: list[CopyRun], staging: Staging
