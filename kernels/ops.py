@@ -18,7 +18,9 @@ from loraserve.kernels.batch import LoRABatch
 from loraserve.kernels.checks import (
     check_add_lora,
     check_expand,
+    check_expand_inputs,
     check_shrink,
+    check_shrink_inputs,
     check_silu_mul_out,
     check_slice_limit,
 )
@@ -101,6 +103,60 @@ def add_lora(
     if impl is not reference:
         check_slice_limit(num_slices, impl.MAX_SLICES)
     return impl.add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, buffer, options=options)
+
+
+class LoRABegun:
+    """add_lora's shrink in flight (`add_lora_begin`), for `add_lora_finish`."""
+
+    def __init__(self, impl: ModuleType, state: object, lora_a: torch.Tensor, num_tokens: int) -> None:
+        self.impl, self.state, self.num_tokens = impl, state, num_tokens
+        self.num_loras, self.num_slices, self.max_rank = lora_a.shape[:3]
+
+
+def add_lora_begin(
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [L, S, R, in]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    buffer: torch.Tensor | None = None,  # fp32 workspace; default batch.workspace
+    *,
+    backend: str | None = None,
+    options: LaunchOptions | None = None,
+) -> LoRABegun:
+    """add_lora in two calls: this one launches the shrink of x into the workspace (split over K
+    as add_lora splits it), `add_lora_finish` the expand into y. Between them the caller may run
+    y's producer, on another stream than the shrink's, so that both run at once; it must order the
+    finish after both (a stream wait for the shrink's stream), and may not reuse the workspace in
+    between. add_lora_begin(...) then add_lora_finish(...) computes what add_lora computes."""
+    impl = _backend(x, backend)
+    num_tokens, num_slices, _ = check_shrink_inputs(x, lora_a, ranks, batch)
+    if impl is not reference:
+        check_slice_limit(num_slices, impl.MAX_SLICES)
+    state = impl.add_lora_begin(x, lora_a, ranks, batch, buffer, options=options)
+    return LoRABegun(impl, state, lora_a, num_tokens)
+
+
+def add_lora_finish(
+    begun: LoRABegun,
+    y: torch.Tensor,  # [T, N]
+    lora_b: torch.Tensor,  # [L, N, R]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],
+    *,
+    options: LaunchOptions | None = None,
+) -> torch.Tensor:
+    """The second half of add_lora (see add_lora_begin): y += each row's delta, in place; returns y.
+    With PDL where supported, launched right after y's producer on y's stream: it reads y only
+    after waiting for that kernel."""
+    if not isinstance(begun, LoRABegun):
+        raise TypeError(f"begun must be what add_lora_begin returned, got {type(begun).__name__}")
+    offsets = check_expand_inputs(lora_b, ranks, batch, slice_offsets, y, begun.num_slices, begun.max_rank)
+    if y.shape[0] != begun.num_tokens:
+        raise ValueError(f"y has {y.shape[0]} rows, the shrink ran over {begun.num_tokens}")
+    if lora_b.shape[0] != begun.num_loras:
+        raise ValueError(f"lora_a has {begun.num_loras} slots, lora_b {lora_b.shape[0]}")
+    return begun.impl.add_lora_finish(begun.state, y, lora_b, ranks, batch, offsets, options=options)
 
 
 def add_lora_silu_mul(

@@ -67,6 +67,35 @@ def add_lora(
     return y
 
 
+def add_lora_begin(
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [L, S, R, in]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    buffer: torch.Tensor | None = None,
+    options: LaunchOptions | None = None,
+) -> torch.Tensor:
+    """add_lora's first half: s [S, T, R] float32 (freshly allocated; buffer and options ignored)."""
+    _, num_slices, max_rank, _ = lora_a.shape
+    s = torch.zeros((num_slices, x.shape[0], max_rank), dtype=torch.float32, device=x.device)
+    _shrink(x, lora_a, ranks.tolist(), batch.rows_by_slot(), s)
+    return s
+
+
+def add_lora_finish(
+    begun: torch.Tensor,  # s from add_lora_begin
+    y: torch.Tensor,  # [T, N]
+    lora_b: torch.Tensor,  # [L, N, R]
+    ranks: torch.Tensor,  # [L] int32
+    batch: LoRABatch,
+    slice_offsets: Sequence[int],
+    options: LaunchOptions | None = None,
+) -> torch.Tensor:
+    """add_lora's second half: y += the delta of `begun`'s s (in place); returns y."""
+    _expand(begun, lora_b, ranks.tolist(), batch.rows_by_slot(), list(slice_offsets), y)
+    return y
+
+
 def add_lora_silu_mul(
     y: torch.Tensor,  # [T, 2I] gate | up
     x: torch.Tensor,  # [T, in]

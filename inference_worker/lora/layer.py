@@ -38,8 +38,9 @@ class LoRALayer:
     ) -> None:
         self.layer, self.group = layer, group
         self.options = options if options is not None else kernels.LaunchOptions()
-        # With a side stream (CUDA), the shrink runs there beside the base projection's GEMM and
-        # the expand follows both on the main stream (two plain launches, no PDL between them);
+        # With a side stream (CUDA), the shrink runs there beside the base projection's GEMM
+        # (kernels.add_lora_begin, split over K as add_lora splits it) and the expand follows both
+        # on the main stream (add_lora_finish, PDL-launched after the GEMM where the options say);
         # without, shrink and expand launch together after the GEMM (`add_lora`).
         self.side_stream = side_stream
         self.lora_a = slots.a[layer][group]  # [L, S, R, in]
@@ -47,25 +48,24 @@ class LoRALayer:
         self.ranks = slots.group_ranks(layer, group)  # [L] int32
         self.slice_offsets = list(itertools.accumulate(slots.out_sizes[group], initial=0))  # [S + 1]
 
-    def begin(self, x: torch.Tensor, lora: kernels.LoRABatch) -> torch.Tensor | None:
+    def begin(self, x: torch.Tensor, lora: kernels.LoRABatch) -> kernels.LoRABegun | None:
         """With a side stream: the shrink of x into the batch's workspace, launched there after
-        everything queued so far on x's stream; -> that s [S, T, R] (None without a side stream)."""
+        everything queued so far on x's stream (None without a side stream)."""
         if self.side_stream is None:
             return None
-        _, num_slices, max_rank, _ = self.lora_a.shape
-        s = lora.workspace[: num_slices * x.shape[0] * max_rank].view(num_slices, x.shape[0], max_rank)
         self.side_stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(self.side_stream):
-            kernels.lora_shrink(x, self.lora_a, self.ranks, lora, s)
-        return s
+            return kernels.add_lora_begin(x, self.lora_a, self.ranks, lora, options=self.options)
 
     def finish(self, x: torch.Tensor, y: torch.Tensor, lora: kernels.LoRABatch, begun: object) -> None:
         # x: [T, in], y: [T, N] (added to in place); begun: what `begin` returned. With the
         # worker's options (worker_launch_options) the kernel queued right before this call may
         # write y but not x, the slots or the batch: in the model it is the base GEMM.
-        if isinstance(begun, torch.Tensor) and self.side_stream is not None:
+        if isinstance(begun, kernels.LoRABegun) and self.side_stream is not None:
             torch.cuda.current_stream(y.device).wait_stream(self.side_stream)
-            kernels.lora_expand(begun, self.lora_b, self.ranks, lora, self.slice_offsets, y)
+            kernels.add_lora_finish(
+                begun, y, self.lora_b, self.ranks, lora, self.slice_offsets, options=self.options
+            )
             return
         kernels.add_lora(
             y, x, self.lora_a, self.lora_b, self.ranks, lora, self.slice_offsets, options=self.options

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.kernels import LaunchOptions, LoRABatch, add_lora, add_lora_silu_mul, lora_expand, lora_shrink
+from loraserve.kernels import (
+    LaunchOptions,
+    LoRABatch,
+    add_lora,
+    add_lora_begin,
+    add_lora_finish,
+    add_lora_silu_mul,
+    lora_expand,
+    lora_shrink,
+)
 from tests.helpers.lora_formula import lora_delta64, shrink64
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -79,7 +88,7 @@ def _garbage_past_rank(tensor: torch.Tensor, ranks: tuple[int, ...], rank_dim: i
         view.fill_(float("nan"))
 
 
-PATHS = ("shrink", "expand", "add_lora", "silu_mul")  # silu_mul: cases of a gate | up pair only
+PATHS = ("shrink", "expand", "add_lora", "begin_finish", "silu_mul")  # silu_mul: gate | up pairs only
 
 
 def run_case(
@@ -139,6 +148,12 @@ def run_case(
         y = y0.clone().to(device)
         add_lora(y, x, lora_a, lora_b, ranks, batch, offsets, backend=backend, options=options)
         failures += _check_y("add_lora", y.cpu(), y0, ref_delta, lora_rows, base_rows, tol)
+
+    if "begin_finish" in paths:  # add_lora in two calls (the shrink beside y's producer)
+        y = y0.clone().to(device)
+        begun = add_lora_begin(x, lora_a, ranks, batch, backend=backend, options=options)
+        add_lora_finish(begun, y, lora_b, ranks, batch, offsets, options=options)
+        failures += _check_y("add_lora_begin/finish", y.cpu(), y0, ref_delta, lora_rows, base_rows, tol)
 
     if "silu_mul" in paths and num_slices == 2 and case.widths[0] == case.widths[1]:
         failures += _check_silu_mul(case, y0, ref_delta, x, lora_a, lora_b, ranks, batch, backend, options)

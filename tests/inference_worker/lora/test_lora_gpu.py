@@ -134,39 +134,50 @@ def test_graph_replays_apply_each_rows_adapter(tiny_model_dir, lora_adapter_root
     assert sum(g != graph[0] for g in graph[1:]) >= len(names) - 2
 
 
-def test_shrink_beside_the_base_gemm_matches_add_lora(lora_adapter_root, base_config):
-    """A LoRALayer with a side stream (shrink there, expand after the join) adds the same delta as
-    `add_lora`, eagerly and replayed from a CUDA graph."""
+@pytest.mark.parametrize("repeats", [8, 136])  # 64 rows (decode tiles), 1,088 (prefill tiles)
+def test_shrink_beside_the_base_gemm_matches_add_lora(lora_adapter_root, base_config, repeats):
+    """A LoRALayer with a side stream (the split shrink there beside the base GEMM that writes y,
+    the expand after the join, PDL-launched after the GEMM with the worker's options) adds the same
+    delta as `add_lora` after the GEMM, eagerly and replayed from a CUDA graph."""
     from loraserve.contract.adapter_layout import GROUPS, group_dims
     from loraserve.inference_worker.lora import LoRALayer, LoRASlots
+    from loraserve.inference_worker.lora.layer import worker_launch_options
     from loraserve.kernels import LoRABatch
 
     slots = LoRASlots(base_config, 4, 16, torch.bfloat16, "cuda")
     for slot, name in enumerate(["qv-r8", "patterned", "mlp-rs16"]):
         slots.load(slot + 1, payload_from_peft(lora_adapter_root / name, base_config, "bfloat16"))
-    token_slots = torch.tensor([1, -1, 2, 3, 1, 3, -1, 2] * 8, dtype=torch.int32, device="cuda")
+    token_slots = torch.tensor([1, -1, 2, 3, 1, 3, -1, 2] * repeats, dtype=torch.int32, device="cuda")
     batch = LoRABatch.allocate(len(token_slots), 4, "cuda", max_slices=3, max_rank=16)
     batch.prepare(token_slots)
     side = torch.cuda.Stream()
+    options = worker_launch_options("cuda")
     for layer in (0, 1):
         for group in GROUPS:
             n_in, outs = group_dims(base_config, group)
             x = torch.randn(len(token_slots), n_in, device="cuda").to(torch.bfloat16)
-            y0 = torch.randn(len(token_slots), sum(outs), device="cuda").to(torch.bfloat16)
-            want = y0.clone()
+            w = (torch.randn(sum(outs), n_in, device="cuda") * n_in**-0.5).to(torch.bfloat16)
+            want = torch.nn.functional.linear(x, w)
+            base = want.clone()
             LoRALayer(slots, layer, group.name).apply(x, want, batch)
-            beside = LoRALayer(slots, layer, group.name, side_stream=side)
-            got = y0.clone()
-            beside.finish(x, got, batch, beside.begin(x, batch))
+            beside = LoRALayer(slots, layer, group.name, options, side_stream=side)
+
+            def project_and_add(x=x, w=w, beside=beside):
+                begun = beside.begin(x, batch)
+                y = torch.nn.functional.linear(x, w)  # y's producer, beside the shrink
+                beside.finish(x, y, batch, begun)
+                return y
+
+            got = project_and_add()
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-            graph, replayed = torch.cuda.CUDAGraph(), y0.clone()
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                beside.finish(x, replayed, batch, beside.begin(x, batch))
-            replayed.copy_(y0)
+                replayed = project_and_add()
+            replayed.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(replayed, want, rtol=2e-2, atol=2e-2)
-            assert (want.float() - y0.float()).abs().max() > 0  # some adapter touches every group
+            assert (want.float() - base.float()).abs().max() > 0  # some adapter touches every group
 
 
 @pytest.mark.parametrize("repeats", [8, 136])  # 64 rows (decode tiles), 1,088 (prefill tiles)
