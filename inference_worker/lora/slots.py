@@ -16,8 +16,9 @@ copy stream of its own, so the steps already queued on the caller's stream keep 
 it; the caller's stream waits for it and then runs the device-side copies (tens of µs), so the
 step that first reads the slot is ordered after the load and the steps queued before it, which
 may still read the slot's old weights, before the slot is overwritten. A few staging buffers
-(STAGING_BUFFERS) let the next load's upload start while the last one's device-side copies still
-wait their turn. Staging buffers and the copies' views (per slot, buffer and payload layout) are
+(STAGING_BUFFERS, taken in turn) let the next load's upload start while the last one's device-side
+copies still wait their turn; past the first, one is made only while free device memory is ample
+(STAGING_ROOM), so they do not eat the headroom the KV cache left for the steps. Staging buffers and the copies' views (per slot, buffer and payload layout) are
 made once and reused, so a load is a few calls on the step thread, whatever the number of tensors.
 Entries past a slot's rank are never read by the kernels, so nothing is cleared on eviction.
 
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 GROUP_INDEX = {g.name: i for i, g in enumerate(GROUPS)}
 VIEW_CACHE_SIZE = 1024  # (slot, staging buffer, payload layout) triples whose copy views are kept
 STAGING_BUFFERS = 3  # uploads that may be in flight ahead of their device-side copies
+STAGING_ROOM = 4  # a second or third staging buffer only while free memory is this many times its size
 
 
 class SlotLoadError(ValueError):
@@ -384,11 +386,21 @@ class LoRASlots:
         if staging is not None and staging.buffer.numel() >= nbytes:
             return staging
         try:
+            if index > 0 and not self._room_for(nbytes):
+                raise torch.OutOfMemoryError("little free device memory")
             made = Staging(index, nbytes, self.device)
         except torch.OutOfMemoryError:
             if index == 0:
                 raise
-            log.warning("no device memory for another adapter staging buffer; loads share %d", index)
+            # the first buffers go on serving; the headroom the KV cache left stays for the steps
+            log.warning(
+                "little free device memory for another adapter staging buffer of %.1f MB: loads "
+                "share %d (their uploads then wait more often for the copies before them)",
+                nbytes / 1e6,
+                index,
+            )
+            self._stagings = self._stagings[:index]
+            self._view_cache = {k: v for k, v in self._view_cache.items() if k[1] < index}
             self._max_stagings, self._next_staging = index, 0
             return self._staging_for(nbytes)
         if index < len(self._stagings):
@@ -397,6 +409,13 @@ class LoRASlots:
         else:
             self._stagings.append(made)
         return made
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether another staging buffer leaves the device's free memory (the driver's, plus what
+        torch holds unused) at least STAGING_ROOM times its size."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + cached >= STAGING_ROOM * nbytes
 
     def _views(
         self, slot: int, runs: list[CopyRun], staging: Staging

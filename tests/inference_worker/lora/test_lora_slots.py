@@ -198,3 +198,67 @@ def test_gate_up_silu_mul_applies_the_delta_before_the_activation(config):
     assert not layer.fuses_silu_mul(FUSED_SILU_MUL_MIN_ROWS)
     o_layer = LoRALayer(slots, 0, "o", dataclasses.replace(LaunchOptions(), fused_silu_mul=True))
     assert not o_layer.fuses_silu_mul(FUSED_SILU_MUL_MIN_ROWS)  # one slice: nothing to fuse with
+
+
+class FakeStaging:
+    """Stands in for slots.Staging (CUDA events and memory) to check the buffers' policy on CPU."""
+
+    made: list[tuple[int, int]] = []
+    fail_at: int | None = None
+
+    def __init__(self, index: int, nbytes: int, device: torch.device) -> None:
+        if index == FakeStaging.fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        self.index, self.buffer = index, torch.empty(nbytes, dtype=torch.uint8)
+        FakeStaging.made.append((index, nbytes))
+
+
+@pytest.fixture
+def staging_policy(config, monkeypatch):
+    """(slots as a CUDA worker's with a copy stream would take staging buffers, free device bytes)."""
+    from loraserve.inference_worker.lora import slots as slots_module
+
+    free = {"bytes": 1 << 40}
+    monkeypatch.setattr(slots_module, "Staging", FakeStaging)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 1 << 40))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    FakeStaging.made, FakeStaging.fail_at = [], None
+    slots = LoRASlots(config, max_loras=3, max_rank=16, dtype=torch.float32, device="cpu")
+    slots._max_stagings = slots_module.STAGING_BUFFERS
+    return slots, free
+
+
+def test_staging_buffers_are_taken_in_turn_and_grow(staging_policy):
+    slots, _ = staging_policy
+    first = [slots._staging_for(100) for _ in range(3)]
+    assert [s.index for s in first] == [0, 1, 2] and FakeStaging.made == [(0, 100), (1, 100), (2, 100)]
+    assert slots._staging_for(80) is first[0]  # in turn, made once
+    slots._view_cache = {(0, 0, ()): ([], []), (0, 1, ()): ([], []), (1, 2, ()): ([], [])}
+    grown = slots._staging_for(500)  # the second, too small: replaced, its cached views dropped
+    assert grown.index == 1 and grown is not first[1] and grown.buffer.numel() == 500
+    assert slots._stagings == [first[0], grown, first[2]]
+    assert set(slots._view_cache) == {(0, 0, ()), (1, 2, ())}
+
+
+def test_no_more_staging_buffers_than_free_memory_allows(staging_policy, caplog):
+    slots, free = staging_policy
+    free["bytes"] = 300  # the first buffer is always made; a second needs 4 x 100 bytes free
+    assert slots._staging_for(100).index == 0
+    with caplog.at_level("WARNING"):
+        again = slots._staging_for(100)
+    assert again.index == 0 and FakeStaging.made == [(0, 100)] and "loads share 1" in caplog.text
+    assert [slots._staging_for(100).index for _ in range(3)] == [0, 0, 0]
+
+
+def test_an_out_of_memory_past_the_first_buffer_shares_the_ones_made(staging_policy):
+    slots, _ = staging_policy
+    assert [slots._staging_for(100).index for _ in range(2)] == [0, 1]
+    FakeStaging.fail_at = 2
+    assert slots._staging_for(100).index == 0  # the third could not be made: two in turn
+    assert [slots._staging_for(100).index for _ in range(3)] == [1, 0, 1]
+    FakeStaging.fail_at = 0
+    slots._stagings.clear()
+    slots._max_stagings, slots._next_staging = 3, 0
+    with pytest.raises(torch.OutOfMemoryError):  # no buffer at all: the load fails (reported)
+        slots._staging_for(100)
