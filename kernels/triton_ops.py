@@ -204,6 +204,18 @@ def lora_expand(
     return y
 
 
+def _expand_plan(y: torch.Tensor, max_rank: int, options: LaunchOptions, pdl: bool) -> ExpandPlan:
+    """add_lora's expand plan; preloading (options.expand_preload None) with PDL at decode sizes
+    where the whole B tile is kept."""
+    num_tokens = y.shape[0]
+    preload = options.expand_preload
+    if preload is None:
+        preload = pdl and num_tokens < PREFILL_ROWS and preload_keeps_tile(max_rank, y.element_size())
+    return plan_expand(
+        num_tokens, max_rank, y.element_size(), preload=preload, b_vector_loads=options.b_vector_loads
+    )
+
+
 @dataclass(frozen=True)
 class Begun:
     """What add_lora_begin launched, for add_lora_finish: the shrink's plan and partial sums."""
@@ -249,14 +261,8 @@ def add_lora_finish(
     if begun is None or num_tokens == 0:
         return y
     options = options if options is not None else LaunchOptions()
-    max_rank = lora_b.shape[2]
     pdl = options.pdl is not False and pdl_supported(y.device)
-    preload = options.expand_preload
-    if preload is None:
-        preload = pdl and num_tokens < PREFILL_ROWS and preload_keeps_tile(max_rank, y.element_size())
-    plan = plan_expand(
-        num_tokens, max_rank, y.element_size(), preload=preload, b_vector_loads=options.b_vector_loads
-    )
+    plan = _expand_plan(y, lora_b.shape[2], options, pdl)
     _launch_expand(
         begun.part,
         begun.shrink,
@@ -328,12 +334,7 @@ def add_lora(
         return y
     options = options if options is not None else LaunchOptions()
     shrink, part, pdl, pdl_shrink, num_sms = _shrink_first(x, lora_a, ranks, batch, buffer, options)
-    preload = options.expand_preload
-    if preload is None:
-        preload = pdl and num_tokens < PREFILL_ROWS and preload_keeps_tile(max_rank, y.element_size())
-    expand = plan_expand(
-        num_tokens, max_rank, y.element_size(), preload=preload, b_vector_loads=options.b_vector_loads
-    )
+    expand = _expand_plan(y, max_rank, options, pdl)
     _launch_expand(
         part, shrink, x.shape[1], lora_b, ranks, batch, offsets, y, expand, num_sms, pdl, not pdl_shrink
     )
