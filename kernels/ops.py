@@ -108,9 +108,12 @@ def add_lora(
 class LoRABegun:
     """add_lora's shrink in flight (`add_lora_begin`), for `add_lora_finish`."""
 
-    def __init__(self, impl: ModuleType, state: object, lora_a: torch.Tensor, num_tokens: int) -> None:
-        self.impl, self.state, self.num_tokens = impl, state, num_tokens
+    def __init__(
+        self, impl: ModuleType, state: object, lora_a: torch.Tensor, batch: LoRABatch, num_tokens: int
+    ) -> None:
+        self.impl, self.state, self.batch, self.num_tokens = impl, state, batch, num_tokens
         self.num_loras, self.num_slices, self.max_rank = lora_a.shape[:3]
+        self.finished = False
 
 
 def add_lora_begin(
@@ -133,7 +136,7 @@ def add_lora_begin(
     if impl is not reference:
         check_slice_limit(num_slices, impl.MAX_SLICES)
     state = impl.add_lora_begin(x, lora_a, ranks, batch, buffer, options=options)
-    return LoRABegun(impl, state, lora_a, num_tokens)
+    return LoRABegun(impl, state, lora_a, batch, num_tokens)
 
 
 def add_lora_finish(
@@ -151,11 +154,16 @@ def add_lora_finish(
     after waiting for that kernel."""
     if not isinstance(begun, LoRABegun):
         raise TypeError(f"begun must be what add_lora_begin returned, got {type(begun).__name__}")
+    if begun.finished:
+        raise ValueError("this add_lora_begin was finished already (its delta would be added twice)")
+    if batch is not begun.batch:
+        raise ValueError("add_lora_finish must get the batch its add_lora_begin got")
     offsets = check_expand_inputs(lora_b, ranks, batch, slice_offsets, y, begun.num_slices, begun.max_rank)
     if y.shape[0] != begun.num_tokens:
         raise ValueError(f"y has {y.shape[0]} rows, the shrink ran over {begun.num_tokens}")
     if lora_b.shape[0] != begun.num_loras:
         raise ValueError(f"lora_a has {begun.num_loras} slots, lora_b {lora_b.shape[0]}")
+    begun.finished = True
     return begun.impl.add_lora_finish(begun.state, y, lora_b, ranks, batch, offsets, options=options)
 
 

@@ -50,7 +50,7 @@ from loraserve.inference_worker.parallel.shard import Range, TensorShard
 
 log = logging.getLogger(__name__)
 GROUP_INDEX = {g.name: i for i, g in enumerate(GROUPS)}
-VIEW_CACHE_SIZE = 1024  # (slot, staging buffer, payload layout) triples whose copy views are kept
+VIEW_CACHE_SIZE = 1024  # (slot, payload layout) pairs whose copy views a staging buffer keeps
 STAGING_BUFFERS = 3  # uploads that may be in flight ahead of their device-side copies
 STAGING_ROOM = 4  # a second or third staging buffer only while free memory is this many times its size
 
@@ -79,17 +79,22 @@ class Staging:
     `uploaded` is recorded on the copy stream after an upload, `released` on the caller's stream
     after the copies out of it: the next upload into it waits for that."""
 
-    def __init__(self, index: int, nbytes: int, device: torch.device) -> None:
-        self.index = index
-        # Allocated on the caller's stream, where every upload into it is waited for before
-        # anything else runs, so a later reuse of its memory there is ordered after its uploads.
-        # The memory may have been a dropped buffer's whose copies out are still queued there:
-        # `released` recorded now makes the first upload into it wait for them.
+    def __init__(self, nbytes: int, device: torch.device, copy_stream: torch.cuda.Stream | None) -> None:
+        # Allocated on the caller's stream. Memory it frees is reused there in stream order, and
+        # its uploads on the copy stream are marked (record_stream), so the allocator also waits for
+        # them before reusing it. The memory may have been a dropped buffer's whose copies out are
+        # still queued on the caller's stream: `released` recorded now makes the first upload into
+        # it wait for them.
+        self.stream = torch.cuda.current_stream(device)
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if copy_stream is not None:
+            self.buffer.record_stream(copy_stream)
         self.heads: dict[int, torch.Tensor] = {}  # the buffer's first n bytes, by n
+        # (slot, payload layout) -> the copies' (destinations, sources in this buffer)
+        self.views: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.uploaded = torch.cuda.Event()
         self.released = torch.cuda.Event()
-        self.released.record(torch.cuda.current_stream(device))
+        self.released.record(self.stream)
 
     def head(self, nbytes: int) -> torch.Tensor:
         got = self.heads.get(nbytes)
@@ -151,12 +156,13 @@ class LoRASlots:
         # CUDA loads: the payloads' bytes on the device, and the stream uploading them
         self._stagings: list[Staging] = []
         self._next_staging = 0  # staging buffers are taken in turn
-        self._copy_stream = (
-            torch.cuda.Stream(self.device) if copy_stream and self.device.type == "cuda" else None
+        self._copy_stream = (  # a shard's loads copy in line (load)
+            torch.cuda.Stream(self.device)
+            if copy_stream and self.device.type == "cuda" and shard is None
+            else None
         )
         self._max_stagings = STAGING_BUFFERS if self._copy_stream is not None else 1
         self._staging_lock = threading.Lock()
-        self._view_cache: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._rank_cache: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
         self._plan_cache: dict[tuple, tuple[list[CopyRun], tuple[tuple[int, ...], ...]]] = {}
         self._rank_rows = [self.ranks[:, :, slot] for slot in range(max_loras)]
@@ -319,6 +325,8 @@ class LoRASlots:
                     staging = self._staging_for(payload.nbytes)
                     head = staging.head(payload.nbytes)
                     stream = torch.cuda.current_stream(self.device)
+                    if stream != staging.stream:  # (the step thread always loads on one stream)
+                        staging.buffer.record_stream(stream)
                     copy = self._copy_stream
                     if copy is None:
                         head.copy_(data, non_blocking=payload.pinned)
@@ -375,20 +383,21 @@ class LoRASlots:
         return self.b_all[run.group][layers, slot, :, :r]
 
     def _staging_for(self, nbytes: int) -> Staging:
-        """The next staging buffer in turn (made on first use, grown when smaller than `nbytes`,
-        its cached views dropped). Taken in turn rather than by asking which is free: each question
-        to the device is a point where the step thread may lose the interpreter. Its last copies
-        out were queued STAGING_BUFFERS loads ago, so an upload rarely waits for them. In line (no
-        copy stream), one is enough: the stream orders everything."""
-        index = self._next_staging % self._max_stagings
-        self._next_staging += 1
+        """The next staging buffer in turn (made on first use, replaced by a larger one when smaller
+        than `nbytes`). Taken in turn rather than by asking which is free: each question to the
+        device is a point where the step thread may lose the interpreter. Its last copies out were
+        queued STAGING_BUFFERS loads ago, so an upload rarely waits for them. In line (no copy
+        stream), one is enough: the stream orders everything."""
+        # never past the buffers made so far (one that could not be made is made next time)
+        index = min(self._next_staging % self._max_stagings, len(self._stagings))
         staging = self._stagings[index] if index < len(self._stagings) else None
         if staging is not None and staging.buffer.numel() >= nbytes:
+            self._next_staging = index + 1
             return staging
         try:
             if index > 0 and not self._room_for(nbytes):
                 raise torch.OutOfMemoryError("little free device memory")
-            made = Staging(index, nbytes, self.device)
+            made = Staging(nbytes, self.device, self._copy_stream)
         except torch.OutOfMemoryError:
             if index == 0:
                 raise
@@ -399,35 +408,34 @@ class LoRASlots:
                 nbytes / 1e6,
                 index,
             )
-            self._stagings = self._stagings[:index]
-            self._view_cache = {k: v for k, v in self._view_cache.items() if k[1] < index}
+            del self._stagings[index:]
             self._max_stagings, self._next_staging = index, 0
             return self._staging_for(nbytes)
         if index < len(self._stagings):
             self._stagings[index] = made
-            self._view_cache = {k: v for k, v in self._view_cache.items() if k[1] != index}
         else:
             self._stagings.append(made)
+        self._next_staging = index + 1
         return made
 
     def _room_for(self, nbytes: int) -> bool:
-        """Whether another staging buffer leaves the device's free memory (the driver's, plus what
-        torch holds unused) at least STAGING_ROOM times its size."""
+        """Whether the device's free memory (the driver's: what torch holds unused is the steps'
+        working set) is at least STAGING_ROOM times another staging buffer's size."""
         free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return free + cached >= STAGING_ROOM * nbytes
+        return free >= STAGING_ROOM * nbytes
 
     def _views(
         self, slot: int, runs: list[CopyRun], staging: Staging
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(destinations, sources) of a payload layout's copies into `slot`; adapters of one rank
-        and module set share a layout, so these are made once per (slot, staging buffer, layout)."""
-        key = (slot, staging.index, tuple(runs))
-        got = self._view_cache.get(key)
+        and module set share a layout, so these are made once per (slot, layout) and staging
+        buffer, and kept on it (they go with it)."""
+        key = (slot, tuple(runs))
+        got = staging.views.get(key)
         if got is None:
-            if len(self._view_cache) >= VIEW_CACHE_SIZE:
-                self._view_cache.clear()
-            got = self._view_cache[key] = (
+            if len(staging.views) >= VIEW_CACHE_SIZE:
+                staging.views.clear()
+            got = staging.views[key] = (
                 [self._destination(run, slot) for run in runs],
                 [self._source(run, staging.buffer) for run in runs],
             )

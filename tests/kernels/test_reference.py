@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraserve.kernels import LoRABatch, add_lora, lora_expand, lora_shrink
+from loraserve.kernels import LoRABatch, add_lora, add_lora_begin, add_lora_finish, lora_expand, lora_shrink
 from tests.helpers.lora_cases import CASES, run_case
 
 
@@ -66,6 +66,30 @@ def test_expand_and_add_lora_reject_bad_arguments() -> None:
         add_lora(y, x, lora_a, lora_b[:1], ranks, batch, [0, 3, 6])
     with pytest.raises(ValueError, match="backend must be"):
         add_lora(y, x, lora_a, lora_b, ranks, batch, [0, 3, 6], backend="cuda")
+
+
+def test_add_lora_in_two_calls_checks_that_they_belong_together() -> None:
+    batch, x, lora_a, lora_b, ranks, y, _ = _setup()
+    want = add_lora(y.clone(), x, lora_a, lora_b, ranks, batch, [0, 3, 6])
+    with pytest.raises(TypeError, match="lora_a dtype"):
+        add_lora_begin(x, lora_a.half(), ranks, batch)
+    begun = add_lora_begin(x, lora_a, ranks, batch)
+    with pytest.raises(TypeError, match="what add_lora_begin returned"):
+        add_lora_finish(object(), y, lora_b, ranks, batch, [0, 3, 6])  # type: ignore[arg-type]
+    other = LoRABatch.allocate(8, 2, "cpu", max_slices=2, max_rank=4)
+    other.prepare(torch.tensor([0, -1, 1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="the batch its add_lora_begin got"):
+        add_lora_finish(begun, y, lora_b, ranks, other, [0, 3, 6])
+    with pytest.raises(ValueError, match="slots"):
+        add_lora_finish(begun, y, lora_b[:1], ranks, batch, [0, 3, 6])
+    with pytest.raises(ValueError, match="rank dimension"):
+        add_lora_finish(begun, y, lora_b[..., :3].contiguous(), ranks, batch, [0, 3, 6])
+    got = y.clone()
+    add_lora_finish(begun, got, lora_b, ranks, batch, [0, 3, 6])
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="finished already"):
+        add_lora_finish(begun, got, lora_b, ranks, batch, [0, 3, 6])
+    torch.testing.assert_close(got, want)  # nothing added twice
 
 
 def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch) -> None:

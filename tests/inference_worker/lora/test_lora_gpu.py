@@ -178,6 +178,13 @@ def test_shrink_beside_the_base_gemm_matches_add_lora(lora_adapter_root, base_co
             torch.cuda.synchronize()
             torch.testing.assert_close(replayed, want, rtol=2e-2, atol=2e-2)
             assert (want.float() - base.float()).abs().max() > 0  # some adapter touches every group
+            # the expand waits for the shrink's stream: held back behind a spin there, the shrink
+            # ends long after the GEMM; an expand that did not wait would read the poisoned partials
+            batch.workspace.fill_(float("nan"))
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(int(5e7))
+            torch.testing.assert_close(project_and_add(), want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("repeats", [8, 136])  # 64 rows (decode tiles), 1,088 (prefill tiles)
@@ -329,6 +336,9 @@ def test_uploads_run_beside_queued_work_and_land_after_its_reads(lora_adapter_ro
     while not uploaded.query() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert uploaded.query() and not busy.query(), "the upload waited for the work queued before it"
+    with torch.cuda.stream(torch.cuda.Stream()):  # a third stream sees the bytes already there
+        landed = gpu._stagings[(gpu._next_staging - 1) % STAGING_BUFFERS].buffer[: payloads[1].nbytes].cpu()
+    assert torch.equal(landed, payloads[1].data) and not busy.query()
     sequence = [(2, payloads[2]), (3, payloads[0]), (1, payloads[2]), (2, payloads[1]), (3, payloads[1])]
     for slot, p in sequence:
         gpu.load(slot, p)

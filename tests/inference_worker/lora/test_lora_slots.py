@@ -203,14 +203,14 @@ def test_gate_up_silu_mul_applies_the_delta_before_the_activation(config):
 class FakeStaging:
     """Stands in for slots.Staging (CUDA events and memory) to check the buffers' policy on CPU."""
 
-    made: list[tuple[int, int]] = []
-    fail_at: int | None = None
+    made: list[int] = []  # sizes, in order
+    fail: bool = False
 
-    def __init__(self, index: int, nbytes: int, device: torch.device) -> None:
-        if index == FakeStaging.fail_at:
+    def __init__(self, nbytes: int, device: torch.device, copy_stream: object) -> None:
+        if FakeStaging.fail:
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        self.index, self.buffer = index, torch.empty(nbytes, dtype=torch.uint8)
-        FakeStaging.made.append((index, nbytes))
+        self.buffer, self.views = torch.empty(nbytes, dtype=torch.uint8), {}
+        FakeStaging.made.append(nbytes)
 
 
 @pytest.fixture
@@ -221,44 +221,49 @@ def staging_policy(config, monkeypatch):
     free = {"bytes": 1 << 40}
     monkeypatch.setattr(slots_module, "Staging", FakeStaging)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 1 << 40))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-    FakeStaging.made, FakeStaging.fail_at = [], None
+    FakeStaging.made, FakeStaging.fail = [], False
     slots = LoRASlots(config, max_loras=3, max_rank=16, dtype=torch.float32, device="cpu")
     slots._max_stagings = slots_module.STAGING_BUFFERS
     return slots, free
 
 
+def turns(slots, n: int, nbytes: int = 100) -> list[int]:
+    """Which buffer (its place in slots._stagings) each of `n` loads takes."""
+    return [slots._stagings.index(slots._staging_for(nbytes)) for _ in range(n)]
+
+
 def test_staging_buffers_are_taken_in_turn_and_grow(staging_policy):
     slots, _ = staging_policy
-    first = [slots._staging_for(100) for _ in range(3)]
-    assert [s.index for s in first] == [0, 1, 2] and FakeStaging.made == [(0, 100), (1, 100), (2, 100)]
-    assert slots._staging_for(80) is first[0]  # in turn, made once
-    slots._view_cache = {(0, 0, ()): ([], []), (0, 1, ()): ([], []), (1, 2, ()): ([], [])}
-    grown = slots._staging_for(500)  # the second, too small: replaced, its cached views dropped
-    assert grown.index == 1 and grown is not first[1] and grown.buffer.numel() == 500
+    assert turns(slots, 4) == [0, 1, 2, 0] and FakeStaging.made == [100, 100, 100]  # made once
+    first = list(slots._stagings)
+    first[1].views[(0, ())] = ([], [])
+    grown = slots._staging_for(500)  # the second, too small: replaced (its views go with it)
+    assert grown is not first[1] and grown.buffer.numel() == 500 and grown.views == {}
     assert slots._stagings == [first[0], grown, first[2]]
-    assert set(slots._view_cache) == {(0, 0, ()), (1, 2, ())}
+    assert turns(slots, 2, 50) == [2, 0]
 
 
 def test_no_more_staging_buffers_than_free_memory_allows(staging_policy, caplog):
     slots, free = staging_policy
     free["bytes"] = 300  # the first buffer is always made; a second needs 4 x 100 bytes free
-    assert slots._staging_for(100).index == 0
     with caplog.at_level("WARNING"):
-        again = slots._staging_for(100)
-    assert again.index == 0 and FakeStaging.made == [(0, 100)] and "loads share 1" in caplog.text
-    assert [slots._staging_for(100).index for _ in range(3)] == [0, 0, 0]
+        assert turns(slots, 4) == [0, 0, 0, 0]
+    assert FakeStaging.made == [100] and "loads share 1" in caplog.text
 
 
 def test_an_out_of_memory_past_the_first_buffer_shares_the_ones_made(staging_policy):
     slots, _ = staging_policy
-    assert [slots._staging_for(100).index for _ in range(2)] == [0, 1]
-    FakeStaging.fail_at = 2
-    assert slots._staging_for(100).index == 0  # the third could not be made: two in turn
-    assert [slots._staging_for(100).index for _ in range(3)] == [1, 0, 1]
-    FakeStaging.fail_at = 0
-    slots._stagings.clear()
-    slots._max_stagings, slots._next_staging = 3, 0
-    with pytest.raises(torch.OutOfMemoryError):  # no buffer at all: the load fails (reported)
+    assert turns(slots, 2) == [0, 1]
+    FakeStaging.fail = True
+    assert turns(slots, 4) == [0, 1, 0, 1]  # the third could not be made: two in turn
+    assert len(slots._stagings) == 2
+
+
+def test_a_failed_first_buffer_is_made_by_the_next_load(staging_policy):
+    slots, _ = staging_policy
+    FakeStaging.fail = True
+    with pytest.raises(torch.OutOfMemoryError):  # no buffer at all: this load fails (reported)
         slots._staging_for(100)
+    FakeStaging.fail = False
+    assert turns(slots, 4) == [0, 1, 2, 0] and len(slots._stagings) == 3
+    assert len({id(s) for s in slots._stagings}) == 3
