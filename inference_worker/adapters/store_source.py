@@ -13,6 +13,8 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
     import torch
 
     from loraserve.inference_worker.fetching.process import FetchFailure, FetchProcess
-    from loraserve.v1 import store_pb2
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -129,7 +130,6 @@ class StoreSource:
         metadata = tracing.inject(self._metadata) if tracing.enabled() else self._metadata
         if self._process is not None:
             from loraserve.inference_worker.fetching import process as fp
-            from loraserve.v1 import store_pb2
 
             try:
                 got = await self._process.fetch(adapter_id, digest, metadata)
@@ -140,7 +140,7 @@ class StoreSource:
             except fp.FetchFailure as exc:
                 raise _failure_in_process(exc, adapter_id) from None
             else:
-                return _payload(store_pb2.AdapterManifest.FromString(got.manifest), got.buffer, adapter_id)
+                return TENSOR_TABLES.payload(got.manifest, got.buffer, adapter_id)
         return await self._fetch_here(adapter_id, digest, metadata)
 
     async def _fetch_here(
@@ -165,7 +165,7 @@ class StoreSource:
                 f"fetching adapter {adapter_id!r} from the store failed: {exc}"
             ) from None
         assert fetched.buffer is not None  # fetched into a tensor of its own
-        return _payload(fetched.manifest, fetched.buffer, adapter_id)
+        return TENSOR_TABLES.payload(fetched.manifest.SerializeToString(), fetched.buffer, adapter_id)
 
     async def digests(self) -> dict[str, str]:
         """adapter id -> digest of everything registered (ListAdapters, all pages)."""
@@ -199,12 +199,43 @@ class StoreSource:
             self._channel = None
 
 
-def _payload(m: store_pb2.AdapterManifest, buffer: torch.Tensor, adapter_id: str) -> AdapterPayload:
-    tensors = [
-        PayloadTensor(t.name, tuple(int(s) for s in t.shape), t.dtype, int(t.offset), int(t.nbytes))
-        for t in m.tensors
-    ]
-    return AdapterPayload(m.adapter.adapter_id or adapter_id, m.digest, int(m.rank), buffer, tensors)
+class TensorTables:
+    """A manifest's tensor table as PayloadTensors, kept for the TABLES most recent layouts: adapters
+    of one rank and module set have the same table (names, shapes, offsets), and building its
+    hundreds of entries took ~0.5 ms of the event loop per fetch against ~0.03 ms to find it."""
+
+    TABLES = 256
+
+    def __init__(self) -> None:
+        self._tables: OrderedDict[bytes, tuple[PayloadTensor, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def payload(self, manifest: bytes, buffer: torch.Tensor, adapter_id: str) -> AdapterPayload:
+        """The payload of a serialized AdapterManifest over `buffer`."""
+        from loraserve.v1 import store_pb2
+
+        m = store_pb2.AdapterManifest.FromString(manifest)
+        owner, digest, rank = m.adapter.adapter_id or adapter_id, m.digest, int(m.rank)
+        for field in ("adapter", "total_bytes", "digest", "layout_version", "rank"):
+            m.ClearField(field)
+        key = m.SerializeToString()  # the tensor table alone
+        with self._lock:
+            tensors = self._tables.get(key)
+            if tensors is not None:
+                self._tables.move_to_end(key)
+        if tensors is None:
+            tensors = tuple(
+                PayloadTensor(t.name, tuple(int(s) for s in t.shape), t.dtype, int(t.offset), int(t.nbytes))
+                for t in m.tensors
+            )
+            with self._lock:
+                self._tables[key] = tensors
+                while len(self._tables) > self.TABLES:
+                    self._tables.popitem(last=False)
+        return AdapterPayload(owner, digest, rank, buffer, list(tensors))
+
+
+TENSOR_TABLES = TensorTables()
 
 
 def _failure_in_process(exc: FetchFailure, adapter_id: str) -> WorkerError:
