@@ -47,6 +47,13 @@ class AdapterMetrics:
             ["result"],
             registry=reg,
         )
+        self.requests = Counter(
+            "loraserve_worker_adapter_requests",
+            "Requests for an adapter by where it was when they arrived (gpu, cpu, store): the share "
+            "served from a resident adapter, counted once per request.",
+            ["tier"],
+            registry=reg,
+        )
         self.slots_used = Gauge(
             "loraserve_worker_adapter_slots_used", "GPU adapter slots holding an adapter.", registry=reg
         )

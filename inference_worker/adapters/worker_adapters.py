@@ -53,6 +53,7 @@ class WorkerAdapters:
     ) -> None:
         self.pool, self.coordinator = pool, coordinator
         self.ahead = AheadOfNeed(pool, window=lookahead, max_prefetch=prefetch)
+        self._requests_by_tier = {t: pool.metrics.requests.labels(t) for t in ("gpu", "cpu", "store")}
         slots = pool.slots
         # static buffers, prepared by sync-free ops: decode CUDA graphs capture the LoRA path
         self._lora_batch = LoRABatch.allocate(
@@ -134,6 +135,7 @@ class WorkerAdapters:
         if seq.adapter_id:
             ref = AdapterRef.parse(seq.adapter_id)
             seq.adapter_tier = self.pool.arrival_tier(ref)
+            self._requests_by_tier[seq.adapter_tier].inc()
             self.pool.popularity.record(ref.adapter_id)
 
     def look_ahead(self, waiting: Iterable[Sequence]) -> None:

@@ -52,6 +52,12 @@ def test_queued_adapter_is_in_a_slot_before_admission(tiny_model_dir, lora_store
         # with look-ahead its admission found the adapter in a slot; without, it missed (once per
         # step until its fetch ended: how many steps that took depends on the machine's load),
         # then was copied in from the CPU tier
+        # the request is counted once, where its adapter was on arrival, however often it missed
+        by_tier = {
+            t: w.adapters.pool.metrics.value("loraserve_worker_adapter_requests_total", {"tier": t})
+            for t in ("gpu", "cpu", "store")
+        }
+        assert by_tier == {"gpu": 0, "cpu": 0, "store": 1}
         misses, gpu, cpu = (lookups(w, r) for r in ("miss", "gpu", "cpu"))
         if lookahead:
             assert (misses, gpu, cpu) == (0, 1, 0)
