@@ -108,10 +108,8 @@ def add_lora(
 class LoRABegun:
     """add_lora's shrink in flight (`add_lora_begin`), for `add_lora_finish`."""
 
-    def __init__(
-        self, impl: ModuleType, state: object, lora_a: torch.Tensor, batch: LoRABatch, num_tokens: int
-    ) -> None:
-        self.impl, self.state, self.batch, self.num_tokens = impl, state, batch, num_tokens
+    def __init__(self, impl: ModuleType, state: object, lora_a: torch.Tensor, batch: LoRABatch) -> None:
+        self.impl, self.state, self.batch = impl, state, batch
         self.num_loras, self.num_slices, self.max_rank = lora_a.shape[:3]
         self.finished = False
 
@@ -132,11 +130,12 @@ def add_lora_begin(
     finish after both (a stream wait for the shrink's stream), and may not reuse the workspace in
     between. add_lora_begin(...) then add_lora_finish(...) computes what add_lora computes."""
     impl = _backend(x, backend)
-    num_tokens, num_slices, _ = check_shrink_inputs(x, lora_a, ranks, batch)
+    _, num_slices, _ = check_shrink_inputs(x, lora_a, ranks, batch)
     if impl is not reference:
         check_slice_limit(num_slices, impl.MAX_SLICES)
+        from loraserve.kernels import triton_two_calls as impl
     state = impl.add_lora_begin(x, lora_a, ranks, batch, buffer, options=options)
-    return LoRABegun(impl, state, lora_a, batch, num_tokens)
+    return LoRABegun(impl, state, lora_a, batch)
 
 
 def add_lora_finish(
@@ -158,9 +157,8 @@ def add_lora_finish(
         raise ValueError("this add_lora_begin was finished already (its delta would be added twice)")
     if batch is not begun.batch:
         raise ValueError("add_lora_finish must get the batch its add_lora_begin got")
+    # y's rows: checked against the batch, the one x was checked against
     offsets = check_expand_inputs(lora_b, ranks, batch, slice_offsets, y, begun.num_slices, begun.max_rank)
-    if y.shape[0] != begun.num_tokens:
-        raise ValueError(f"y has {y.shape[0]} rows, the shrink ran over {begun.num_tokens}")
     if lora_b.shape[0] != begun.num_loras:
         raise ValueError(f"lora_a has {begun.num_loras} slots, lora_b {lora_b.shape[0]}")
     begun.finished = True

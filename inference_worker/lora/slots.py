@@ -8,18 +8,13 @@ sized once at start-up, plus each slot's rank per (layer, group).
     ranks         [num_layers, num_groups, max_loras] int32 (0 = group not targeted / slot empty)
 
 Filling a slot copies an optimized payload (loraserve/contract/adapter_layout.py) with no transform. On CUDA:
-one async host-to-device copy of the whole pinned payload into a staging buffer, then a few
-device-side strided copies — one per (group, A|B) for the usual adapter whose tensors repeat with
-a fixed stride across consecutive layers, since buffers of one group are stacked over layers.
-The host-to-device copy (11–22 MB for a 1B model at rank 8–16, ~0.25–0.5 ms over PCIe) runs on a
-copy stream of its own, so the steps already queued on the caller's stream keep running beside
-it; the caller's stream waits for it and then runs the device-side copies (tens of µs), so the
-step that first reads the slot is ordered after the load and the steps queued before it, which
-may still read the slot's old weights, before the slot is overwritten. A few staging buffers
-(STAGING_BUFFERS, taken in turn) let the next load's upload start while the last one's device-side
-copies still wait their turn; past the first, one is made only while free device memory is ample
-(STAGING_ROOM), so they do not eat the headroom the KV cache left for the steps. Staging buffers and the copies' views (per slot, buffer and payload layout) are
-made once and reused, so a load is a few calls on the step thread, whatever the number of tensors.
+the whole pinned payload is uploaded into a staging buffer, on a copy stream beside the steps
+already queued (lora/uploads.py), then a few device-side strided copies on the caller's stream —
+one per (group, A|B) for the usual adapter whose tensors repeat with a fixed stride across
+consecutive layers, since buffers of one group are stacked over layers — so the step that first
+reads the slot is ordered after the load, and the steps queued before it still read the old
+weights. The copies' views (per slot, staging buffer and payload layout) are made once and reused,
+so a load is a few calls on the step thread, whatever the number of tensors.
 Entries past a slot's rank are never read by the kernels, so nothing is cleared on eviction.
 
 Under tensor parallelism (`shard`), each rank's buffers hold its shard as S-LoRA lays it out:
@@ -45,14 +40,13 @@ import torch
 from loraserve.contract.adapter_layout import GROUPS, group_dims
 from loraserve.contract.payload import PayloadTensor
 from loraserve.inference_worker.lora.payload import AdapterPayload, parse_name, torch_dtype
+from loraserve.inference_worker.lora.uploads import KEPT, Staging, Uploads
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.parallel.shard import Range, TensorShard
 
 log = logging.getLogger(__name__)
 GROUP_INDEX = {g.name: i for i, g in enumerate(GROUPS)}
-VIEW_CACHE_SIZE = 1024  # (slot, payload layout) pairs whose copy views a staging buffer keeps
-STAGING_BUFFERS = 3  # uploads that may be in flight ahead of their device-side copies
-STAGING_ROOM = 4  # a second or third staging buffer only while free memory is this many times its size
+VIEW_CACHE_SIZE = 1024  # payload layouts whose copy plans (and ranks) are kept
 
 
 class SlotLoadError(ValueError):
@@ -74,37 +68,6 @@ class CopyRun:
     stride: int  # bytes between consecutive layers' tensors
 
 
-class Staging:
-    """A device buffer a payload is uploaded into before the device-side copies into a slot.
-    `uploaded` is recorded on the copy stream after an upload, `released` on the caller's stream
-    after the copies out of it: the next upload into it waits for that."""
-
-    def __init__(self, nbytes: int, device: torch.device, copy_stream: torch.cuda.Stream | None) -> None:
-        # Allocated on the caller's stream. Memory it frees is reused there in stream order, and
-        # its uploads on the copy stream are marked (record_stream), so the allocator also waits for
-        # them before reusing it. The memory may have been a dropped buffer's whose copies out are
-        # still queued on the caller's stream: `released` recorded now makes the first upload into
-        # it wait for them.
-        self.stream = torch.cuda.current_stream(device)
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if copy_stream is not None:
-            self.buffer.record_stream(copy_stream)
-        self.heads: dict[int, torch.Tensor] = {}  # the buffer's first n bytes, by n
-        # (slot, payload layout) -> the copies' (destinations, sources in this buffer)
-        self.views: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self.uploaded = torch.cuda.Event()
-        self.released = torch.cuda.Event()
-        self.released.record(self.stream)
-
-    def head(self, nbytes: int) -> torch.Tensor:
-        got = self.heads.get(nbytes)
-        if got is None:
-            if len(self.heads) >= VIEW_CACHE_SIZE:
-                self.heads.clear()
-            got = self.heads[nbytes] = self.buffer[:nbytes]
-        return got
-
-
 class LoRASlots:
     def __init__(
         self,
@@ -117,7 +80,7 @@ class LoRASlots:
         copy_stream: bool = True,
     ) -> None:
         """`copy_stream` False: uploads run on the caller's stream, in line with its steps (for
-        measuring the difference)."""
+        measuring the difference; lora/uploads.py)."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -153,15 +116,10 @@ class LoRASlots:
         self.a = [{g.name: self.a_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.b = [{g.name: self.b_all[g.name][layer] for g in GROUPS} for layer in range(n)]
         self.ranks = torch.zeros(n, len(GROUPS), max_loras, dtype=torch.int32, device=self.device)
-        # CUDA loads: the payloads' bytes on the device, and the stream uploading them
-        self._stagings: list[Staging] = []
-        self._next_staging = 0  # staging buffers are taken in turn
-        self._copy_stream = (  # a shard's loads copy in line (load)
-            torch.cuda.Stream(self.device)
-            if copy_stream and self.device.type == "cuda" and shard is None
-            else None
+        # CUDA loads: staging buffers and the copy stream; a shard's loads copy in line (load)
+        self.uploads = (
+            Uploads(self.device, copy_stream and shard is None) if self.device.type == "cuda" else None
         )
-        self._max_stagings = STAGING_BUFFERS if self._copy_stream is not None else 1
         self._staging_lock = threading.Lock()
         self._rank_cache: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
         self._plan_cache: dict[tuple, tuple[list[CopyRun], tuple[tuple[int, ...], ...]]] = {}
@@ -321,21 +279,9 @@ class LoRASlots:
             if self.shard_ranges is None and all(run.dtype == self.dtype for run in runs):
                 # a handful of calls, each a point where the step thread may lose the interpreter
                 # to another thread: staging buffers and the copies' views, reused
+                assert self.uploads is not None
                 with self._staging_lock:
-                    staging = self._staging_for(payload.nbytes)
-                    head = staging.head(payload.nbytes)
-                    stream = torch.cuda.current_stream(self.device)
-                    if stream != staging.stream:  # (the step thread always loads on one stream)
-                        staging.buffer.record_stream(stream)
-                    copy = self._copy_stream
-                    if copy is None:
-                        head.copy_(data, non_blocking=payload.pinned)
-                    else:
-                        copy.wait_event(staging.released)  # the last copies out of it have run
-                        with torch.cuda.stream(copy):
-                            head.copy_(data, non_blocking=payload.pinned)
-                        staging.uploaded.record(copy)
-                        stream.wait_event(staging.uploaded)
+                    staging, stream = self.uploads.upload(data, payload.pinned)
                     dsts, srcs = self._views(slot, runs, staging)
                     # the slot's ranks ride along: one call for every device-side copy
                     torch._foreach_copy_(
@@ -343,8 +289,7 @@ class LoRASlots:
                         [*srcs, self._ranks_on_device(ranks)],
                         non_blocking=True,
                     )
-                    if copy is not None:
-                        staging.released.record(stream)
+                    self.uploads.copied_out(staging, stream)
                 return
             staged = torch.empty(payload.nbytes, dtype=torch.uint8, device=self.device)
             staged.copy_(data, non_blocking=payload.pinned)
@@ -382,48 +327,6 @@ class LoRASlots:
             return self.a_all[run.group][layers, slot, :, :r, :]
         return self.b_all[run.group][layers, slot, :, :r]
 
-    def _staging_for(self, nbytes: int) -> Staging:
-        """The next staging buffer in turn (made on first use, replaced by a larger one when smaller
-        than `nbytes`). Taken in turn rather than by asking which is free: each question to the
-        device is a point where the step thread may lose the interpreter. Its last copies out were
-        queued STAGING_BUFFERS loads ago, so an upload rarely waits for them. In line (no copy
-        stream), one is enough: the stream orders everything."""
-        # never past the buffers made so far (one that could not be made is made next time)
-        index = min(self._next_staging % self._max_stagings, len(self._stagings))
-        staging = self._stagings[index] if index < len(self._stagings) else None
-        if staging is not None and staging.buffer.numel() >= nbytes:
-            self._next_staging = index + 1
-            return staging
-        try:
-            if index > 0 and not self._room_for(nbytes):
-                raise torch.OutOfMemoryError("little free device memory")
-            made = Staging(nbytes, self.device, self._copy_stream)
-        except torch.OutOfMemoryError:
-            if index == 0:
-                raise
-            # the first buffers go on serving; the headroom the KV cache left stays for the steps
-            log.warning(
-                "little free device memory for another adapter staging buffer of %.1f MB: loads "
-                "share %d (their uploads then wait more often for the copies before them)",
-                nbytes / 1e6,
-                index,
-            )
-            del self._stagings[index:]
-            self._max_stagings, self._next_staging = index, 0
-            return self._staging_for(nbytes)
-        if index < len(self._stagings):
-            self._stagings[index] = made
-        else:
-            self._stagings.append(made)
-        self._next_staging = index + 1
-        return made
-
-    def _room_for(self, nbytes: int) -> bool:
-        """Whether the device's free memory (the driver's: what torch holds unused is the steps'
-        working set) is at least STAGING_ROOM times another staging buffer's size."""
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free >= STAGING_ROOM * nbytes
-
     def _views(
         self, slot: int, runs: list[CopyRun], staging: Staging
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -433,7 +336,7 @@ class LoRASlots:
         key = (slot, tuple(runs))
         got = staging.views.get(key)
         if got is None:
-            if len(staging.views) >= VIEW_CACHE_SIZE:
+            if len(staging.views) >= KEPT:
                 staging.views.clear()
             got = staging.views[key] = (
                 [self._destination(run, slot) for run in runs],

@@ -304,7 +304,7 @@ def test_uploads_run_beside_queued_work_and_land_after_its_reads(lora_adapter_ro
     into the slot wait for the work queued before the load, which still reads the old weights;
     more loads in a row than staging buffers all land, in order."""
     from loraserve.inference_worker.lora import AdapterPayload, LoRASlots
-    from loraserve.inference_worker.lora.slots import STAGING_BUFFERS
+    from loraserve.inference_worker.lora.uploads import STAGING_BUFFERS
 
     def pinned(name):
         p = payload_from_peft(lora_adapter_root / name, base_config, "bfloat16")
@@ -320,7 +320,7 @@ def test_uploads_run_beside_queued_work_and_land_after_its_reads(lora_adapter_ro
         gpu.load(0, p)
         cpu.load(0, p)
         torch.cuda.synchronize()
-    assert len(gpu._stagings) == STAGING_BUFFERS == 3  # taken in turn
+    assert len(gpu.uploads._stagings) == STAGING_BUFFERS == 3  # taken in turn
 
     cpu.load(1, payloads[0])
     gpu.load(1, payloads[0])
@@ -331,13 +331,13 @@ def test_uploads_run_beside_queued_work_and_land_after_its_reads(lora_adapter_ro
 
     before = slot_one(gpu)  # queued before the load: must read the old weights
     gpu.load(1, payloads[1])
-    uploaded = gpu._stagings[(gpu._next_staging - 1) % STAGING_BUFFERS].uploaded
+    staging = gpu.uploads._stagings[(gpu.uploads._next - 1) % STAGING_BUFFERS]  # the one it took
     deadline = time.monotonic() + 0.5
-    while not uploaded.query() and time.monotonic() < deadline:
+    while not staging.uploaded.query() and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert uploaded.query() and not busy.query(), "the upload waited for the work queued before it"
+    assert staging.uploaded.query() and not busy.query(), "the upload waited for the work queued before it"
     with torch.cuda.stream(torch.cuda.Stream()):  # a third stream sees the bytes already there
-        landed = gpu._stagings[(gpu._next_staging - 1) % STAGING_BUFFERS].buffer[: payloads[1].nbytes].cpu()
+        landed = staging.buffer[: payloads[1].nbytes].cpu()
     assert torch.equal(landed, payloads[1].data) and not busy.query()
     sequence = [(2, payloads[2]), (3, payloads[0]), (1, payloads[2]), (2, payloads[1]), (3, payloads[1])]
     for slot, p in sequence:

@@ -201,7 +201,7 @@ def test_gate_up_silu_mul_applies_the_delta_before_the_activation(config):
 
 
 class FakeStaging:
-    """Stands in for slots.Staging (CUDA events and memory) to check the buffers' policy on CPU."""
+    """Stands in for uploads.Staging (CUDA events and memory) to check the buffers' policy on CPU."""
 
     made: list[int] = []  # sizes, in order
     fail: bool = False
@@ -214,56 +214,56 @@ class FakeStaging:
 
 
 @pytest.fixture
-def staging_policy(config, monkeypatch):
-    """(slots as a CUDA worker's with a copy stream would take staging buffers, free device bytes)."""
-    from loraserve.inference_worker.lora import slots as slots_module
+def staging_policy(monkeypatch):
+    """(the uploads of a CUDA worker with a copy stream, as they take staging buffers; free bytes)."""
+    from loraserve.inference_worker.lora import uploads as uploads_module
 
     free = {"bytes": 1 << 40}
-    monkeypatch.setattr(slots_module, "Staging", FakeStaging)
+    monkeypatch.setattr(uploads_module, "Staging", FakeStaging)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 1 << 40))
     FakeStaging.made, FakeStaging.fail = [], False
-    slots = LoRASlots(config, max_loras=3, max_rank=16, dtype=torch.float32, device="cpu")
-    slots._max_stagings = slots_module.STAGING_BUFFERS
-    return slots, free
+    uploads = uploads_module.Uploads(torch.device("cpu"), copy_stream=False)
+    uploads._max = uploads_module.STAGING_BUFFERS
+    return uploads, free
 
 
-def turns(slots, n: int, nbytes: int = 100) -> list[int]:
-    """Which buffer (its place in slots._stagings) each of `n` loads takes."""
-    return [slots._stagings.index(slots._staging_for(nbytes)) for _ in range(n)]
+def turns(uploads, n: int, nbytes: int = 100) -> list[int]:
+    """Which buffer (its place in uploads._stagings) each of `n` loads takes."""
+    return [uploads._stagings.index(uploads._take(nbytes)) for _ in range(n)]
 
 
 def test_staging_buffers_are_taken_in_turn_and_grow(staging_policy):
-    slots, _ = staging_policy
-    assert turns(slots, 4) == [0, 1, 2, 0] and FakeStaging.made == [100, 100, 100]  # made once
-    first = list(slots._stagings)
+    uploads, _ = staging_policy
+    assert turns(uploads, 4) == [0, 1, 2, 0] and FakeStaging.made == [100, 100, 100]  # made once
+    first = list(uploads._stagings)
     first[1].views[(0, ())] = ([], [])
-    grown = slots._staging_for(500)  # the second, too small: replaced (its views go with it)
+    grown = uploads._take(500)  # the second, too small: replaced (its views go with it)
     assert grown is not first[1] and grown.buffer.numel() == 500 and grown.views == {}
-    assert slots._stagings == [first[0], grown, first[2]]
-    assert turns(slots, 2, 50) == [2, 0]
+    assert uploads._stagings == [first[0], grown, first[2]]
+    assert turns(uploads, 2, 50) == [2, 0]
 
 
 def test_no_more_staging_buffers_than_free_memory_allows(staging_policy, caplog):
-    slots, free = staging_policy
+    uploads, free = staging_policy
     free["bytes"] = 300  # the first buffer is always made; a second needs 4 x 100 bytes free
     with caplog.at_level("WARNING"):
-        assert turns(slots, 4) == [0, 0, 0, 0]
+        assert turns(uploads, 4) == [0, 0, 0, 0]
     assert FakeStaging.made == [100] and "loads share 1" in caplog.text
 
 
 def test_an_out_of_memory_past_the_first_buffer_shares_the_ones_made(staging_policy):
-    slots, _ = staging_policy
-    assert turns(slots, 2) == [0, 1]
+    uploads, _ = staging_policy
+    assert turns(uploads, 2) == [0, 1]
     FakeStaging.fail = True
-    assert turns(slots, 4) == [0, 1, 0, 1]  # the third could not be made: two in turn
-    assert len(slots._stagings) == 2
+    assert turns(uploads, 4) == [0, 1, 0, 1]  # the third could not be made: two in turn
+    assert len(uploads._stagings) == 2
 
 
 def test_a_failed_first_buffer_is_made_by_the_next_load(staging_policy):
-    slots, _ = staging_policy
+    uploads, _ = staging_policy
     FakeStaging.fail = True
     with pytest.raises(torch.OutOfMemoryError):  # no buffer at all: this load fails (reported)
-        slots._staging_for(100)
+        uploads._take(100)
     FakeStaging.fail = False
-    assert turns(slots, 4) == [0, 1, 2, 0] and len(slots._stagings) == 3
-    assert len({id(s) for s in slots._stagings}) == 3
+    assert turns(uploads, 4) == [0, 1, 2, 0] and len(uploads._stagings) == 3
+    assert len({id(s) for s in uploads._stagings}) == 3
