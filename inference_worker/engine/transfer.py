@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 
@@ -21,6 +20,16 @@ def to_device(values: Sequence, device: torch.device, dtype: torch.dtype | None 
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def pack(host: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+    """The bytes of each of `tensors` (CPU, contiguous) into uint8 `host` at its offset. Copied
+    through memoryviews: a plain memcpy that keeps the interpreter, where numpy's copies hand it to
+    other threads (and the step thread then waits to get it back while the event loop runs)."""
+    staged = host.numpy().data
+    for t, off in zip(tensors, offsets, strict=True):
+        raw = t.numpy().data.cast("B")
+        staged[off : off + raw.nbytes] = raw
 
 
 class StepInputs:
@@ -50,16 +59,15 @@ class StepInputs:
             total += -(-t.numel() * t.element_size() // 8) * 8  # every tensor 8-byte aligned
         i, self._next = self._next, (self._next + 1) % self.DEPTH
         host, dev, copied = self._host[i], self._dev[i], self._copied[i]
-        if copied is not None:
-            copied.synchronize()  # the copy out of this buffer DEPTH steps ago: long done
+        if copied is not None and not copied.query():
+            # the copy out of this buffer DEPTH steps ago is almost always done: asking first
+            # keeps the interpreter (query holds it, synchronize hands it to other threads)
+            copied.synchronize()
         if host is None or host.numel() < total:
             host = self._host[i] = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
             dev = self._dev[i] = torch.empty(2 * total, dtype=torch.uint8, device=self.device)
         assert dev is not None
-        staged = host.numpy()
-        for t, off in zip(tensors, offsets, strict=True):
-            raw = t.numpy().view(np.uint8).reshape(-1)
-            staged[off : off + raw.size] = raw  # a host memcpy, no torch call
+        pack(host, tensors, offsets)
         dev[:total].copy_(host[:total], non_blocking=True)
         event = self._copied[i] = self._copied[i] or torch.cuda.Event()
         event.record()

@@ -81,7 +81,8 @@ class Uploads:
         if copy is None:
             head.copy_(data, non_blocking=pinned)
         else:
-            copy.wait_event(staging.released)  # the last copies out of it have run
+            if not staging.released.query():  # the last copies out of it are still queued
+                copy.wait_event(staging.released)
             with torch.cuda.stream(copy):
                 head.copy_(data, non_blocking=pinned)
             staging.uploaded.record(copy)

@@ -53,3 +53,34 @@ def test_token_readback_ring_returns_each_steps_tokens_and_refuses_a_reused_buff
     with pytest.raises(RuntimeError, match="reused"):
         ring.check(copies[0][1])
     ring.check(copies[1][1])
+
+
+def test_done_copies_are_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ring buffer whose copy has run, and a step read back after its tokens arrived, are not
+    synchronized on: an event's synchronize hands the interpreter to other threads, its query
+    does not, and the step thread pays for every hand-over while the event loop is busy."""
+    from loraserve.inference_worker.engine.sampler import LaunchedSample, TokenReadback
+
+    dev = torch.device("cuda")
+    calls = []
+    real = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: calls.append(1) or real(self))
+    ring = StepInputs(dev)
+    for step in range(3 * StepInputs.DEPTH):
+        host = (torch.arange(step + 5, dtype=torch.int64), torch.arange(7, dtype=torch.int32))
+        got = ring.to_device(*host)
+        torch.cuda.synchronize()  # the device keeps up: every earlier copy has run
+        assert [t.cpu().tolist() for t in got] == [t.tolist() for t in host]
+    launched = LaunchedSample(torch.arange(9, device=dev), [], [], [])
+    launched.start_readback(TokenReadback())
+    torch.cuda.synchronize()
+    assert launched.read()[0].tolist() == list(range(9)) and launched.waited == 0.0
+    assert calls == []
+    # a copy still queued is waited for
+    busy = torch.randn(4096, 4096, device=dev)
+    for _ in range(8):
+        busy = busy @ busy
+    pending = LaunchedSample(torch.arange(5, device=dev), [], [], [])
+    pending.start_readback(TokenReadback())
+    assert pending.read()[0].tolist() == list(range(5))
+    assert calls == [1]
