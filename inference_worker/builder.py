@@ -147,6 +147,7 @@ def store_source(config: WorkerConfig) -> StoreSource:
         config.store_address,
         token=config.store_token or "",
         tls_root_cert=tls_ca,
+        max_fetches=config.max_fetches,
         fetch_process=config.fetch_process,
     )
 
@@ -197,6 +198,7 @@ def build_adapters(
         interval_s=config.adapter_poll_interval_s,
         lookahead=min(config.adapter_lookahead, config.max_cpu_loras // 2),
         prefetch=config.adapter_prefetch,
+        max_fetches=config.max_fetches,
         address=config.advertise_address or _default_address(config.host, config.port),
     )
     if tp is None:

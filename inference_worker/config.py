@@ -66,6 +66,8 @@ _HELP = {
     "asked for a few times within it, so fleets with little traffic want it longer",
     "adapter_poll_interval_s": "seconds between checks of the store for re-registered or deleted adapters",
     "store_address": "adapter store address host:port (adapters disabled when empty)",
+    "max_fetches": "adapter fetches from the store that run at once (the worker's fetch threads; "
+    "look-ahead starts no more); each holds one adapter's payload in flight",
     "fetch_process": "receive adapters from the store in a child process, handed over through shared "
     "memory (/dev/shm; in the worker's own process where there is none)",
     "store_token": "bearer token sent to the store",
@@ -117,6 +119,7 @@ class WorkerConfig:
     popularity_half_life_s: float = 300.0
     adapter_poll_interval_s: float = 2.0
     store_address: str = ""
+    max_fetches: int = 4
     fetch_process: bool = True
     store_token: str | None = field(default=None, repr=False)
     store_tls_ca: str | None = None
@@ -171,6 +174,8 @@ class WorkerConfig:
         ):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
+        if not 1 <= self.max_fetches <= 64:
+            problems.append("max_fetches must be in [1, 64]")
         if not 0.05 <= self.switch_interval_ms <= 100:
             problems.append("switch_interval_ms must be within [0.05, 100]")
         if self.block_size not in (8, 16, 32, 64, 128):

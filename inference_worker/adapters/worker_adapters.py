@@ -49,10 +49,11 @@ class WorkerAdapters:
         interval_s: float = 2.0,
         lookahead: int = 0,
         prefetch: int = 0,
+        max_fetches: int = 4,
         address: str = "",
     ) -> None:
         self.pool, self.coordinator = pool, coordinator
-        self.ahead = AheadOfNeed(pool, window=lookahead, max_prefetch=prefetch)
+        self.ahead = AheadOfNeed(pool, window=lookahead, max_fetches=max_fetches, max_prefetch=prefetch)
         self._requests_by_tier = {t: pool.metrics.requests.labels(t) for t in ("gpu", "cpu", "store")}
         slots = pool.slots
         # static buffers, prepared by sync-free ops: decode CUDA graphs capture the LoRA path

@@ -31,6 +31,8 @@ def test_flags_env_defaults(tiny_model_dir: Path) -> None:
         (dict(max_loras=8, max_cpu_loras=4), "max_cpu_loras"),
         (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
         (dict(block_size=12), "block_size"),
+        (dict(max_fetches=0), "max_fetches"),
+        (dict(max_fetches=65), "max_fetches"),
         (dict(dtype="int8"), "dtype"),
         (dict(device="tpu"), "device"),
         (dict(tls_cert="cert.pem"), "tls_cert"),
@@ -80,3 +82,18 @@ def test_sliding_window_caps_the_length(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelConfigError, match="sliding_window"):
         build_worker(WorkerConfig(model=str(d), device="cpu", kv_cache_mb=1, max_model_len=256))
+
+
+def test_max_fetches_reaches_the_fetch_threads_and_look_ahead(tiny_model_dir: Path) -> None:
+    from loraserve.inference_worker.builder import store_source
+
+    config = WorkerConfig.from_args(
+        ["--model", str(tiny_model_dir), "--store-address", "127.0.0.1:1", "--max-fetches", "7",
+         "--no-fetch-process", "--no-cuda-graphs", "--device", "cpu"],  # fmt: skip
+        {},
+    )
+    assert store_source(config).max_fetches == 7
+    adapters = build_worker(config).adapters
+    assert adapters is not None
+    assert adapters.ahead.max_fetches == 7
+    assert adapters.pool.fetcher.gate is not None and adapters.pool.fetcher.gate.capacity == 7
