@@ -87,11 +87,8 @@ def test_sliding_window_caps_the_length(tmp_path: Path) -> None:
 def test_max_fetches_reaches_the_fetch_threads_and_look_ahead(tiny_model_dir: Path) -> None:
     from loraserve.inference_worker.builder import store_source
 
-    config = WorkerConfig.from_args(
-        ["--model", str(tiny_model_dir), "--store-address", "127.0.0.1:1", "--max-fetches", "7",
-         "--no-fetch-process", "--no-cuda-graphs", "--device", "cpu"],  # fmt: skip
-        {},
-    )
+    flags = "--store-address 127.0.0.1:1 --max-fetches 7 --no-fetch-process --no-cuda-graphs --device cpu"
+    config = WorkerConfig.from_args(["--model", str(tiny_model_dir), *flags.split()], {})
     assert store_source(config).max_fetches == 7
     adapters = build_worker(config).adapters
     assert adapters is not None
