@@ -11,7 +11,9 @@ finds them there and this costs launches only.
 Two passes, both on dummy data (outputs discarded; KV writes go to the reserved block 0):
 
 1. the LoRA path alone (slot grouping, shrink, expand) for every token count 1..max_tokens, one
-   layer per module group: a launch costs microseconds, so no count is skipped (not on a
+   layer per module group, the gate | up group through the op the model runs at that count
+   (add_lora, or add_lora_silu_mul from FUSED_SILU_MUL_MIN_ROWS rows on): a launch costs
+   microseconds, so no count is skipped (not on a
    tensor-parallel worker, whose LoRA layers hold collectives: there the steps below run on
    every rank);
 2. whole eager steps (base and LoRA rows) for mixes of prefill chunks and decodes that cover the
@@ -114,9 +116,13 @@ def warm_up_lora_path(runner: ModelRunner, max_tokens: int) -> int:
             for g, lin in firsts.items():
                 x, y = bufs[g][0][:t], bufs[g][1][:t]
                 assert lin.lora is not None
-                begun = lin.lora.begin(x, lora)
-                y.zero_()  # stands for the base GEMM: add_lora never directly follows the prepare
-                lin.lora.finish(x, y, lora, begun)
+                if lin.lora.fuses_silu_mul(t):
+                    # the gate | up group at this size: the model runs the fused op, not finish
+                    lin.lora.silu_mul(x, y, lora)
+                else:
+                    begun = lin.lora.begin(x, lora)
+                    y.zero_()  # stands for the base GEMM: add_lora never directly follows the prepare
+                    lin.lora.finish(x, y, lora, begun)
                 launches += 1
     return launches
 

@@ -69,6 +69,39 @@ def test_warm_up_runs_every_token_count_and_changes_nothing(tiny_model_dir, lora
         w.close()
 
 
+def test_warm_up_runs_the_op_the_gate_up_group_runs_at_each_count(tiny_model_dir, lora_store, monkeypatch):
+    """From the count where the model fuses the gate | up delta into the activation, the warm-up
+    launches that op (add_lora_silu_mul) for the group, which no eager step of its own reaches."""
+    from loraserve.inference_worker.lora.layer import LoRALayer
+
+    w = LocalWorker(tiny_model_dir, lora_store.address, max_loras=2, max_cpu_loras=6, max_num_seqs=4)
+    try:
+        # the fused op from 10 rows on (FUSED_SILU_MUL_MIN_ROWS is 1,024), where the model fuses it
+        monkeypatch.setattr(
+            LoRALayer, "fuses_silu_mul", lambda self, n: len(self.slice_offsets) == 3 and n >= 10
+        )
+        fused: list[tuple[str, int]] = []
+        plain: list[tuple[str, int]] = []
+        real_silu_mul, real_finish = LoRALayer.silu_mul, LoRALayer.finish
+
+        def silu_mul(self, x, y, lora):
+            fused.append((self.group, x.shape[0]))
+            return real_silu_mul(self, x, y, lora)
+
+        def finish(self, x, y, lora, begun):
+            plain.append((self.group, x.shape[0]))
+            real_finish(self, x, y, lora, begun)
+
+        monkeypatch.setattr(LoRALayer, "silu_mul", silu_mul)
+        monkeypatch.setattr(LoRALayer, "finish", finish)
+        assert kernel_warmup.warm_up_lora_path(w.engine.runner, 16) == 16 * 4
+        assert fused == [("gate_up", t) for t in range(10, 17)]
+        assert [t for g, t in plain if g == "gate_up"] == list(range(1, 10))
+        assert [t for g, t in plain if g == "qkv"] == list(range(1, 17))
+    finally:
+        w.close()
+
+
 def _compiled_variants() -> int:
     """Compiled kernels held by every Triton JIT function of loraserve's loaded modules."""
     import sys
@@ -94,7 +127,7 @@ def test_no_compile_after_warm_up_for_new_step_shapes(tiny_model_dir, tmp_path):
 
     config = WorkerConfig(
         model=str(tiny_model_dir), device="cuda", dtype="bfloat16", max_num_seqs=32, max_model_len=512,
-        max_num_batched_tokens=600, num_kv_blocks=256, cuda_graphs=True, max_loras=4, max_cpu_loras=8,
+        max_num_batched_tokens=1200, num_kv_blocks=256, cuda_graphs=True, max_loras=4, max_cpu_loras=8,
         max_lora_rank=16, store_address="127.0.0.1:1",
     )  # fmt: skip
     worker = build_worker(config)
@@ -113,6 +146,10 @@ def test_no_compile_after_warm_up_for_new_step_shapes(tiny_model_dir, tmp_path):
         decode_slots = [rng.randint(-1, 3) for _ in range(decodes)]
         sched = kernel_warmup.dummy_batch(prefills, decode_slots, config.block_size)
         engine.runner.execute(sched)
+    # steps of 1,024 rows and more, where the gate | up group runs add_lora_silu_mul (a count that
+    # is a multiple of 16 and one that is not)
+    for prefills in ([(400, 0), (400, 1), (224, -1)], [(500, 0), (500, 2), (41, 1)]):
+        engine.runner.execute(kernel_warmup.dummy_batch(prefills, [0, 1, -1], config.block_size))
     torch.cuda.synchronize()
     assert _compiled_variants() == compiled, "a step compiled a kernel the warm-up did not"
 
