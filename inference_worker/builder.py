@@ -198,7 +198,7 @@ def build_adapters(
         interval_s=config.adapter_poll_interval_s,
         lookahead=min(config.adapter_lookahead, config.max_cpu_loras // 2),
         prefetch=config.adapter_prefetch,
-        max_fetches=config.max_fetches,
+        max_fetches=getattr(source, "max_fetches", config.max_fetches),  # the fetch gate's size
         address=config.advertise_address or _default_address(config.host, config.port),
     )
     if tp is None:

@@ -28,7 +28,7 @@ def pack(host: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[
     other threads (and the step thread then waits to get it back while the event loop runs)."""
     staged = host.numpy().data
     for t, off in zip(tensors, offsets, strict=True):
-        raw = t.numpy().data.cast("B")
+        raw = t.reshape(-1).numpy().data.cast("B")  # (a view of a contiguous tensor)
         staged[off : off + raw.nbytes] = raw
 
 

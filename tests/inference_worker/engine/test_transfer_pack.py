@@ -24,3 +24,12 @@ def test_pack_lays_each_tensor_at_its_offset_byte_for_byte() -> None:
         assert torch.equal(host[off : off + n].view(t.dtype).view(t.shape), t)
     assert host[51:56].tolist() == [0xAB] * 5  # bytes between tensors untouched
     assert host[64:].tolist() == [0xAB] * 8
+
+
+def test_pack_takes_views_and_empty_shapes() -> None:
+    base = torch.arange(12, dtype=torch.int64).view(3, 4)
+    tensors = [base[:, :2], torch.empty((2, 0), dtype=torch.int32), torch.tensor(7, dtype=torch.int64)]
+    host = torch.zeros(56, dtype=torch.uint8)
+    pack(host, tensors, [0, 48, 48])
+    assert host[:48].view(torch.int64).tolist() == [0, 1, 4, 5, 8, 9]
+    assert host[48:].view(torch.int64).tolist() == [7]
