@@ -95,7 +95,7 @@ class RequestOutput:
 _ids = itertools.count(1)
 
 
-@dataclass
+@dataclass(eq=False)  # one sequence is one object: compared (list.remove, `in`) by identity
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
