@@ -104,9 +104,12 @@ class Bench:
             "host_cpu": host_cpu(),  # runs on different hosts differ: compare within one run
             # the run's settings, without this machine's paths and addresses
             "config": {
-                k: v
-                for k, v in vars(args).items()
-                if k not in ("json", "workdir", "redis_server", "redis_url", "profile")
+                **{
+                    k: v
+                    for k, v in vars(args).items()
+                    if k not in ("json", "workdir", "redis_server", "redis_url", "profile", "variant_tree")
+                },
+                "variant_trees": [name for name, _ in args.variant_tree],  # (their folders left out)
             },
             "s_lora_ratio": round(S_LORA_RATIO, 4),
             "n": {},
@@ -380,6 +383,14 @@ def parser() -> argparse.ArgumentParser:
         type=lambda v: tuple(v.split("=", 1)) if "=" in v else (v, ""),
         help="NAME=WORKER_FLAGS: the N sweep again on a worker started with these extra flags",
     )
+    p.add_argument(
+        "--variant-tree",
+        action="append",
+        default=[],
+        type=lambda v: tuple(v.split("=", 1)) if "=" in v else (Path(v).name, v),
+        help="NAME=DIR: the N sweep again on a worker run from the checkout DIR (another commit of "
+        "this repository, e.g. from `git worktree add`), with the same store, adapters and flags",
+    )
     p.add_argument("--profile", type=Path, default=None, help="py-spy the worker into this folder")
     p.add_argument("--profile-gil", action="store_true", help="with --profile: the lock holder's too")
     return p
@@ -411,6 +422,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, flags in args.variant:
             opts = bench.worker_options()
             opts.extra = [*opts.extra, *flags.split()]
+            worker = fleet.start_worker(f"worker-{name}", model_dir, store.address, opts)
+            bench.sweep(worker, names, variant=name)
+            fleet.stop(worker)
+        for name, tree in args.variant_tree:
+            opts = bench.worker_options()
+            opts.code_tree = tree
             worker = fleet.start_worker(f"worker-{name}", model_dir, store.address, opts)
             bench.sweep(worker, names, variant=name)
             fleet.stop(worker)

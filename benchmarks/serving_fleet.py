@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -209,15 +210,41 @@ class WorkerOptions:
     poll_interval_s: float = 0.5
     cuda_graphs: bool = True
     extra: list[str] = field(default_factory=list)
+    code_tree: str = ""  # another checkout of this repository to run the worker from ("": this one)
 
 
-def _spawn(name: str, args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+# the folders setup.py maps under the `loraserve` namespace (besides `loraserve` itself)
+PACKAGE_FOLDERS = ("adapter_store", "inference_worker", "kernels", "clients", "gateway")
+
+
+def tree_shim(tree: Path, dest: Path) -> Path:
+    """A folder that, first on PYTHONPATH of a process started outside any checkout, makes
+    `loraserve` import from the checkout `tree`: the package laid out as setup.py installs it, by
+    links (`dest`/loraserve). The worker's own processes (front, fetch process) inherit it."""
+    tree = tree.resolve()
+    if not (tree / "loraserve" / "__init__.py").is_file():
+        raise SystemExit(f"{tree} is not a checkout of this repository (no loraserve/__init__.py)")
+    package = dest / "loraserve"
+    if package.exists():
+        shutil.rmtree(package)
+    package.mkdir(parents=True)
+    for entry in (tree / "loraserve").iterdir():
+        (package / entry.name).symlink_to(entry)
+    for folder in PACKAGE_FOLDERS:
+        (package / folder).symlink_to(tree / folder)
+    return dest
+
+
+def _spawn(
+    name: str, args: Sequence[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen:
     out = open(log, "wb")
     return subprocess.Popen(
         list(args),
         stdout=out,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        cwd=cwd,
     )
 
 
@@ -294,7 +321,7 @@ class Fleet:
             "loraserve.cli",
             "worker",
             "--model",
-            str(model_dir),
+            str(Path(model_dir).resolve()),  # (a worker from another checkout runs elsewhere)
             "--port",
             "0",
         ]
@@ -310,7 +337,12 @@ class Fleet:
         if redis_url:
             args += ["--redis-url", redis_url]
         log = self.workdir / f"{name}.log"
-        svc = Service(name, "", _spawn(name, args, log), log)  # its address: once it listens
+        env, cwd = None, None
+        if opts.code_tree:  # started outside this checkout, so its folders do not come first
+            shim = tree_shim(Path(opts.code_tree), self.workdir / f"code-{name}")
+            env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH", "")]))}
+            cwd = self.workdir
+        svc = Service(name, "", _spawn(name, args, log, env, cwd), log)  # its address: once it listens
         self.services.append(svc)
         if wait:
             self.wait_worker(svc)

