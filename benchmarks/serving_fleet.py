@@ -339,9 +339,10 @@ class Fleet:
         log = self.workdir / f"{name}.log"
         env, cwd = None, None
         if opts.code_tree:  # started outside this checkout, so its folders do not come first
-            shim = tree_shim(Path(opts.code_tree), self.workdir / f"code-{name}")
+            # absolute: the worker resolves its path from its own working directory
+            shim = tree_shim(Path(opts.code_tree), self.workdir / f"code-{name}").resolve()
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH", "")]))}
-            cwd = self.workdir
+            cwd = self.workdir.resolve()
         svc = Service(name, "", _spawn(name, args, log, env, cwd), log)  # its address: once it listens
         self.services.append(svc)
         if wait:

@@ -146,10 +146,13 @@ def test_no_compile_after_warm_up_for_new_step_shapes(tiny_model_dir, tmp_path):
         decode_slots = [rng.randint(-1, 3) for _ in range(decodes)]
         sched = kernel_warmup.dummy_batch(prefills, decode_slots, config.block_size)
         engine.runner.execute(sched)
-    # steps of 1,024 rows and more, where the gate | up group runs add_lora_silu_mul (a count that
-    # is a multiple of 16 and one that is not)
+    # eager steps of 1,024 rows and more (as steps past the largest captured graph run), where the
+    # gate | up group runs add_lora_silu_mul: a count that is a multiple of 16 and one that is not
     for prefills in ([(400, 0), (400, 1), (224, -1)], [(500, 0), (500, 2), (41, 1)]):
-        engine.runner.execute(kernel_warmup.dummy_batch(prefills, [0, 1, -1], config.block_size))
+        sched = kernel_warmup.dummy_batch(prefills, [0, 1, -1], config.block_size)
+        plan, _ = engine.runner.plan(sched, None)  # neither padded nor mixed: no graph replays it
+        assert not plan.bucket and not plan.mixed
+        engine.runner.run(plan)
     torch.cuda.synchronize()
     assert _compiled_variants() == compiled, "a step compiled a kernel the warm-up did not"
 
