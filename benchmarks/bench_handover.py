@@ -1,8 +1,9 @@
 """What a call costs the step thread when another thread wants the interpreter: each call timed in
 a loop while a thread spins in Python beside it (as the worker's event loop does under load). A
-call that lets the interpreter go (an event's synchronize, record or wait, a copy, numpy's copies)
-waits to get it back for up to the switch interval; one that keeps it (an event's query, a copy
-through memoryviews) does not. benchmarks/results/serving.md, 2026-11-28 14:20 UTC.
+call that lets the interpreter go (an event's synchronize, record or wait, a copy, a graph replay,
+numpy's copies) waits to get it back for up to the switch interval; one that keeps it (an event's
+query, a copy through memoryviews) does not. The CUDA rows run on an idle device, so they price the
+call's host side (rows marked "settled" include polling until the device is idle again). benchmarks/results/serving.md, 2026-11-28 14:20 UTC.
 
     python benchmarks/bench_handover.py [--switch-interval-ms 0.5] [--calls 200] [--json out.json]
 
@@ -42,12 +43,48 @@ def rows(calls: int) -> dict[str, float]:
         ),
     }
     if cuda:
-        done = torch.cuda.Event()
-        done.record()
-        torch.cuda.synchronize()
-        out["event query (done)"] = per_call_us(done.query, calls)
-        out["event synchronize (done)"] = per_call_us(done.synchronize, calls)
+        out.update(cuda_rows(host, calls))
     return out
+
+
+def cuda_rows(host: torch.Tensor, calls: int) -> dict[str, float]:
+    """The CUDA calls a step makes, each on an idle device (so only the call's host side counts)."""
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream(dev)
+    done = torch.cuda.Event()
+    done.record()
+    dst = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
+    parts_src = [torch.zeros(1024, device=dev) for _ in range(8)]
+    parts_dst = [torch.empty(1024, device=dev) for _ in range(8)]
+    static = torch.zeros(64, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.add_(1)
+    torch.cuda.synchronize()
+
+    def settle(fn: Callable[[], object]) -> Callable[[], object]:  # keep the device idle
+        def call() -> object:
+            out = fn()
+            done.record(stream)
+            while not done.query():
+                pass
+            return out
+
+        return call
+
+    return {
+        "event query (done)": per_call_us(done.query, calls),
+        "event synchronize (done)": per_call_us(done.synchronize, calls),
+        "event record": per_call_us(lambda: done.record(stream), calls),
+        "stream wait_event (done)": per_call_us(lambda: stream.wait_event(done), calls),
+        "64 KB host-to-device copy, async (settled)": per_call_us(
+            settle(lambda: dst.copy_(host, non_blocking=True)), calls
+        ),
+        "_foreach_copy_ of 8 tensors (settled)": per_call_us(
+            settle(lambda: torch._foreach_copy_(parts_dst, parts_src)), calls
+        ),
+        "graph replay, one kernel (settled)": per_call_us(settle(graph.replay), calls),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
