@@ -192,7 +192,10 @@ class LLMEngine:
     def start(self) -> None:
         # before serving, so no request waits for a kernel compile or a graph capture
         if self.config.kernel_warmup and self.runner.device.type == "cuda":
-            kernel_warmup.warm_up(self.runner, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+            config = self.config
+            kernel_warmup.warm_up(
+                self.runner, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
+            )
         self.runner.capture_graphs()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()

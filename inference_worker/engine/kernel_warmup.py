@@ -18,7 +18,8 @@ Two passes, both on dummy data (outputs discarded; KV writes go to the reserved 
    every rank);
 2. whole eager steps (base and LoRA rows) for mixes of prefill chunks and decodes that cover the
    other kernels' specializations: token and sequence counts of 1, of a multiple of 16 and of
-   neither, with one and several prefill chunks.
+   neither, with one and several prefill chunks; on a tensor-parallel worker also steps at the
+   sizes where the LoRA kernels change plan, which pass 1 covers for the others.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import SamplingParams, Sequence
 from loraserve.inference_worker.model.linear import GroupedLinear
+from loraserve.kernels.launch_plan import FUSED_SILU_MUL_MIN_ROWS, PREFILL_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,21 @@ def step_mixes(max_tokens: int, max_seqs: int) -> list[tuple[list[int], int]]:
     ]
 
 
+def large_step_mixes(max_tokens: int, max_seqs: int, max_len: int) -> list[tuple[list[int], int]]:
+    """(prefill chunk lengths, 0 decodes) of eager steps at the sizes where the LoRA kernels change
+    plan (PREFILL_ROWS rows: prefill tiles; FUSED_SILU_MUL_MIN_ROWS: the fused gate | up op), a
+    multiple of 16 and one more, each within the budgets, no chunk past `max_len` tokens. For
+    workers whose LoRA layers the first pass cannot warm alone (tensor-parallel: collectives)."""
+    mixes = []
+    for size in (PREFILL_ROWS, FUSED_SILU_MUL_MIN_ROWS):
+        for total in (size, size + 1):
+            chunk = min(max_len, 256)
+            chunks = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+            if total <= max_tokens and len(chunks) <= max_seqs:
+                mixes.append((chunks, 0))
+    return mixes
+
+
 def warm_up_lora_path(runner: ModelRunner, max_tokens: int) -> int:
     """Launch the LoRA kernels of one layer per module group for every token count; -> launches."""
     adapters, model = runner.adapters, runner.model
@@ -127,11 +144,16 @@ def warm_up_lora_path(runner: ModelRunner, max_tokens: int) -> int:
     return launches
 
 
-def warm_up_steps(runner: ModelRunner, max_tokens: int, max_seqs: int) -> int:
-    """Run eager steps for the mixes of `step_mixes`, with and without adapter rows; -> steps."""
+def warm_up_steps(runner: ModelRunner, max_tokens: int, max_seqs: int, max_len: int = 0) -> int:
+    """Run eager steps for the mixes of `step_mixes` (and, on a tensor-parallel worker with
+    adapters, of `large_step_mixes` with sequences of up to `max_len` tokens), with and without
+    adapter rows; -> steps."""
     steps = 0
     variants = (False, True) if runner.adapters is not None else (False,)
-    for chunks, decodes in step_mixes(max_tokens, max_seqs):
+    mixes = step_mixes(max_tokens, max_seqs)
+    if runner.sharded and runner.adapters is not None and max_len > 0:
+        mixes += large_step_mixes(max_tokens, max_seqs, max_len)
+    for chunks, decodes in mixes:
         for lora in variants:
             slot = 0 if lora else -1
             sched = dummy_batch([(n, slot) for n in chunks], [slot] * decodes, runner.block_size)
@@ -140,7 +162,7 @@ def warm_up_steps(runner: ModelRunner, max_tokens: int, max_seqs: int) -> int:
     return steps
 
 
-def warm_up(runner: ModelRunner, max_tokens: int, max_seqs: int) -> None:
+def warm_up(runner: ModelRunner, max_tokens: int, max_seqs: int, max_len: int = 0) -> None:
     """Both passes, then wait for the device; logs what it did and how long it took. Short of
     device memory for the LoRA pass's dummy rows (its largest is max_tokens x the widest module
     group), it warns and goes on: the kernels then compile when traffic first needs them."""
@@ -150,7 +172,7 @@ def warm_up(runner: ModelRunner, max_tokens: int, max_seqs: int) -> None:
     except torch.cuda.OutOfMemoryError as exc:
         log.warning("kernel warm-up of the LoRA path skipped (device memory): %s", exc)
         launches = 0
-    steps = warm_up_steps(runner, max_tokens, max_seqs)
+    steps = warm_up_steps(runner, max_tokens, max_seqs, max_len)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     log.info(

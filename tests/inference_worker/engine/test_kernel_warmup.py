@@ -178,3 +178,41 @@ def test_short_of_device_memory_the_lora_pass_is_skipped_not_fatal(
         assert w.generate(PROMPT, "qv-r8", max_tokens=3)[1] is None  # still serves
     finally:
         w.close()
+
+
+@pytest.mark.parametrize(
+    "max_tokens,max_seqs,max_len", [(4096, 64, 2048), (2048, 8, 300), (600, 64, 128), (256, 4, 64)]
+)
+def test_large_mixes_reach_each_plan_change_within_the_budgets(max_tokens, max_seqs, max_len):
+    from loraserve.kernels.launch_plan import FUSED_SILU_MUL_MIN_ROWS, PREFILL_ROWS
+
+    mixes = kernel_warmup.large_step_mixes(max_tokens, max_seqs, max_len)
+    for chunks, decodes in mixes:
+        assert decodes == 0 and all(1 <= n <= max_len for n in chunks)
+        assert sum(chunks) <= max_tokens and len(chunks) <= max_seqs
+    totals = {sum(c) for c, _ in mixes}
+    for size in (PREFILL_ROWS, FUSED_SILU_MUL_MIN_ROWS):
+        for total in (size, size + 1):
+            fits = total <= max_tokens and -(-total // min(max_len, 256)) <= max_seqs
+            assert (total in totals) == fits, (total, totals)
+
+
+def test_only_a_tensor_parallel_worker_runs_the_large_steps(tiny_model_dir, lora_store, monkeypatch):
+    w = LocalWorker(tiny_model_dir, lora_store.address, max_loras=2, max_cpu_loras=6, max_num_seqs=4)
+    try:
+        runner = w.engine.runner
+        totals: list[int] = []
+        monkeypatch.setattr(
+            runner,
+            "execute",
+            lambda sched: totals.append(sum(n for _, n in sched.prefills) + len(sched.decodes)),
+        )
+        small = kernel_warmup.warm_up_steps(runner, 2048, 64, max_len=512)
+        assert max(totals) < 512
+        totals.clear()
+        monkeypatch.setattr(runner, "sharded", True)
+        large = kernel_warmup.warm_up_steps(runner, 2048, 64, max_len=512)
+        assert large == small + 2 * len(kernel_warmup.large_step_mixes(2048, 64, 512))  # base and LoRA rows
+        assert {512, 513, 1024, 1025} <= set(totals)
+    finally:
+        w.close()
