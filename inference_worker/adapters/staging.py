@@ -51,6 +51,7 @@ class AheadOfNeed:
         self.num_fetched_ahead = 0  # fetches started by look-ahead
         self.num_prefetched = 0  # fetches started by popularity prefetch
         self.num_displaced = 0  # CPU-tier entries a prefetch replaced with a more popular adapter
+        self._slots_full = False  # this look-ahead pass found no free GPU slot (a scan of them all)
 
     # ------------------------------------------------------------------ step thread
     def look_ahead(self, waiting: Iterable[tuple[int, str]]) -> None:
@@ -70,6 +71,7 @@ class AheadOfNeed:
         with pool.lock:
             pool.wanted = {ref.adapter_id: positions[keys[0]] for ref, keys in reversed(order.items())}
             pool.queue_pos = positions
+            self._slots_full = False  # no slot frees up under the lock: once full, full for this pass
             for ref, keys in order.items():
                 if not self._stage(ref, keys):
                     break
@@ -85,7 +87,8 @@ class AheadOfNeed:
                 return True
             payload = pool.tiers.cpu.peek(key)
             if payload is not None:
-                free = pool.tiers.table.free_slot()
+                free = None if self._slots_full else pool.tiers.table.free_slot()
+                self._slots_full = free is None
                 if free is not None:
                     try:
                         pool.tiers.activate(free, payload)

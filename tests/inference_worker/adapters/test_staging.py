@@ -58,6 +58,25 @@ def test_queued_adapter_is_staged_before_its_turn(harness, lora_store):
     assert lora_store.store.service.metrics.value("loraserve_store_fetches_total") == fetches
 
 
+def test_a_pass_with_every_slot_taken_scans_the_slots_once(harness, monkeypatch):
+    h = harness(max_loras=2, max_cpu_loras=6, lookahead=4)
+    for ref in ("all-r4", "qv-r8", "patterned", "mlp-rs16"):
+        h.run(h.ensure_cpu(ref))
+    h.acquire_eventually(1, "all-r4")
+    h.acquire_eventually(2, "qv-r8")  # both slots run
+    table = h.pool.tiers.table
+    scans: list[int] = []
+    real = table.free_slot
+    monkeypatch.setattr(table, "free_slot", lambda: scans.append(1) or real())
+    h.adapters.ahead.look_ahead([(3, "patterned"), (4, "mlp-rs16")])  # both in the CPU tier only
+    assert scans == [1] and tier(h, "patterned") == tier(h, "mlp-rs16") == "cpu"
+    h.pool.release(1)
+    h.pool.release(2)
+    h.pool.tiers.drop_slot(table.slots[0])  # a slot frees up: the next pass stages into it
+    h.adapters.ahead.look_ahead([(3, "patterned"), (4, "mlp-rs16")])
+    assert tier(h, "patterned") == "gpu" and tier(h, "mlp-rs16") == "cpu"
+
+
 def test_an_earlier_queued_request_keeps_its_slot(harness):
     h = harness(max_loras=2, max_cpu_loras=6, lookahead=4)
     for ref in ("all-r4", "qv-r8", "patterned"):
