@@ -191,11 +191,7 @@ class LLMEngine:
 
     def start(self) -> None:
         # before serving, so no request waits for a kernel compile or a graph capture
-        if self.config.kernel_warmup and self.runner.device.type == "cuda":
-            config = self.config
-            kernel_warmup.warm_up(
-                self.runner, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
-            )
+        kernel_warmup.before_serving(self.runner, self.config)
         self.runner.capture_graphs()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from loraserve.inference_worker.engine.config import EngineConfig
 from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import SamplingParams, Sequence
@@ -95,9 +96,9 @@ def large_step_mixes(max_tokens: int, max_seqs: int, max_len: int) -> list[tuple
     multiple of 16 and one more, each within the budgets, no chunk past `max_len` tokens. For
     workers whose LoRA layers the first pass cannot warm alone (tensor-parallel: collectives)."""
     mixes = []
+    chunk = min(max_len, 256)
     for size in (PREFILL_ROWS, FUSED_SILU_MUL_MIN_ROWS):
         for total in (size, size + 1):
-            chunk = min(max_len, 256)
             chunks = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
             if total <= max_tokens and len(chunks) <= max_seqs:
                 mixes.append((chunks, 0))
@@ -160,6 +161,13 @@ def warm_up_steps(runner: ModelRunner, max_tokens: int, max_seqs: int, max_len: 
             runner.execute(sched)  # a prefill in every mix: an eager step
             steps += 1
     return steps
+
+
+def before_serving(runner: ModelRunner, config: EngineConfig) -> None:
+    """The engine's compile-ahead: both passes on a CUDA runner, at the engine's step budgets
+    (unless `config.kernel_warmup` is off)."""
+    if config.kernel_warmup and runner.device.type == "cuda":
+        warm_up(runner, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
 
 
 def warm_up(runner: ModelRunner, max_tokens: int, max_seqs: int, max_len: int = 0) -> None:

@@ -216,3 +216,18 @@ def test_only_a_tensor_parallel_worker_runs_the_large_steps(tiny_model_dir, lora
         assert {512, 513, 1024, 1025} <= set(totals)
     finally:
         w.close()
+
+
+def test_before_serving_warms_a_cuda_runner_at_the_engine_budgets_unless_off(monkeypatch):
+    from types import SimpleNamespace
+
+    from loraserve.inference_worker.engine.config import EngineConfig
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(kernel_warmup, "warm_up", lambda *args: calls.append(args))
+    cuda, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=300, max_model_len=700)
+    kernel_warmup.before_serving(cuda, config)
+    kernel_warmup.before_serving(cpu, config)
+    kernel_warmup.before_serving(cuda, EngineConfig(kernel_warmup=False))
+    assert calls == [(cuda, 300, 8, 700)]
