@@ -322,9 +322,9 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
         payloads = list(pool.map(lambda i: make_payload(cfg, i), range(num_payloads)))
     config = WorkerConfig(
         model=f"random-{shape}",
-        max_loras=num_payloads,
+        max_loras=max(args.max_loras, num_payloads),
         max_lora_rank=RANK,
-        max_cpu_loras=num_payloads,
+        max_cpu_loras=max(args.max_loras, num_payloads),
         max_cpu_lora_mb=64 << 10,
         max_num_seqs=BATCH,
         max_num_batched_tokens=BATCH * PROMPT_LEN,
@@ -456,6 +456,13 @@ def main() -> int:
         "--fused-silu-variant",
         action="store_true",
         help="also a LoRA engine whose gate | up expand writes the activation at every step size",
+    )
+    ap.add_argument(
+        "--max-loras",
+        type=int,
+        default=0,
+        help="GPU slots (default: one per adapter); more than the adapters "
+        "prices a worker sized for many adapters",
     )
     ap.add_argument("--peft-tokens", type=int, default=8)
     ap.add_argument("--json", default="")

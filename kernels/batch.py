@@ -69,6 +69,9 @@ class LoRABatch:
         self.slot_starts = torch.zeros(max_loras + 1, dtype=i32, device=device)
         self.slot_counts = torch.zeros(max_loras, dtype=i32, device=device)
         self._slot_ids = torch.arange(max_loras + 1, dtype=i32, device=device)
+        # the Triton prepare's scratch: rows and next position per bin, tile prefixes per work list
+        self._bin_scratch = torch.zeros(2, max_loras + 1, dtype=i32, device=device)
+        self._tile_ends = torch.zeros(len(BLOCK_MS), max_loras, dtype=i32, device=device)
         self.work = {
             m: WorkList(m, max(1, max_work_items(max_tokens, max_loras, m)), device) for m in BLOCK_MS
         }
@@ -133,8 +136,6 @@ class LoRABatch:
         from loraserve.kernels.batch_kernel import prepare_kernel
 
         num_tokens = token_slots.numel()
-        num_bins = max(16, 1 << self.max_loras.bit_length())  # >= max_loras + 1
-        block = max(16, min(64, 4096 // num_bins))
         w1, w2 = (self.work[m] for m in BLOCK_MS)
         prepare_kernel[(1,)](
             token_slots,
@@ -143,6 +144,10 @@ class LoRABatch:
             self.sorted_rows,
             self.slot_starts,
             self.slot_counts,
+            self._bin_scratch[0],
+            self._bin_scratch[1],
+            self._tile_ends[0],
+            self._tile_ends[1],
             w1.slot,
             w1.start,
             w1.end,
@@ -153,12 +158,13 @@ class LoRABatch:
             w2.end,
             w2.count,
             max_work_items(num_tokens, self.max_loras, w2.block_m),
-            NUM_BINS=num_bins,
-            BLOCK_T=block,
-            BLOCK_W=block,
+            BLOCK_T=64,
+            BLOCK_L=min(1024, max(16, 1 << self.max_loras.bit_length())),  # >= max_loras + 1 up to 1023
+            BLOCK_W=128,
+            SEARCH_STEPS=self.max_loras.bit_length(),  # a search over max_loras + 1 answers
             BLOCK_M1=w1.block_m,
             BLOCK_M2=w2.block_m,
-            num_warps=8,
+            num_warps=4,
         )
 
     def _build_work(self, work: WorkList) -> None:

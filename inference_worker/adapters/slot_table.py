@@ -11,6 +11,7 @@ and the two tiers together hold more distinct adapters (`test_fleet_simulation.p
 
 from __future__ import annotations
 
+import heapq
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,12 @@ class SlotTable:
         self.backed = backed or (lambda key: False)
         self.by_key: dict[str, int] = {}  # live (non-stale) versions only
         self.pins: set[str] = set()  # adapter ids
+        # kept as slots fill and empty, so no question below scans every slot (a worker may have
+        # a slot for each of a thousand adapters): free indices (a heap, lowest first; an index
+        # that was filled since it was pushed is dropped when met) and each adapter's slots
+        self._free = list(range(num_slots))
+        self._num_used = 0
+        self._by_adapter: dict[str, set[int]] = {}
 
     @property
     def max_pins(self) -> int:
@@ -61,9 +68,9 @@ class SlotTable:
         or pinned. `wanted` (adapter id -> position of the first queued request for it) keeps the
         adapters of requests queued ahead of position `before` out of reach, and spares those
         queued behind it while any other slot is idle."""
-        for s in self.slots:
-            if s.free:
-                return s
+        free = self.free_slot()
+        if free is not None:
+            return free
         queued = wanted or {}
         idle = [
             s
@@ -76,22 +83,45 @@ class SlotTable:
         return min(idle, key=lambda s: (s.adapter_id in queued, not backed(s.key or ""), s.last_tick))
 
     def free_slot(self) -> SlotState | None:
-        """A slot that holds nothing (filling it evicts nothing)."""
-        return next((s for s in self.slots if s.free), None)
+        """The lowest-numbered slot that holds nothing (filling it evicts nothing)."""
+        heap = self._free
+        while heap and not self.slots[heap[0]].free:
+            heapq.heappop(heap)
+        return self.slots[heap[0]] if heap else None
 
     def assign(
         self, s: SlotState, key: str, adapter_id: str, digest: str, rank: int, size_bytes: int, tick: int
     ) -> None:
-        self.release_slot(s)
+        self._clear(s)
         s.key, s.adapter_id, s.digest, s.rank, s.size_bytes = key, adapter_id, digest, rank, size_bytes
         s.running, s.last_tick, s.stale = 0, tick, False
         self.by_key[key] = s.index
+        self._num_used += 1
+        self._by_adapter.setdefault(adapter_id, set()).add(s.index)
 
     def release_slot(self, s: SlotState) -> None:
-        if s.key is not None and self.by_key.get(s.key) == s.index:
-            del self.by_key[s.key]
+        if not self._clear(s):
+            return
+        heap = self._free
+        heapq.heappush(heap, s.index)
+        if len(heap) > 4 * len(self.slots):  # entries of slots filled since: start the heap afresh
+            heap[:] = [x.index for x in self.slots if x.free]
+            heapq.heapify(heap)
+
+    def _clear(self, s: SlotState) -> bool:
+        """Empties `s`; whether it held a version."""
+        held = s.key is not None
+        if s.key is not None:
+            if self.by_key.get(s.key) == s.index:
+                del self.by_key[s.key]
+            same = self._by_adapter[s.adapter_id]
+            same.discard(s.index)
+            if not same:
+                del self._by_adapter[s.adapter_id]
+            self._num_used -= 1
         s.key, s.adapter_id, s.digest, s.rank, s.size_bytes = None, "", "", 0, 0
         s.running, s.stale = 0, False
+        return held
 
     def mark_stale(self, s: SlotState) -> None:
         if s.key is not None and self.by_key.get(s.key) == s.index:
@@ -99,12 +129,12 @@ class SlotTable:
         s.stale = True
 
     def of_adapter(self, adapter_id: str) -> list[SlotState]:
-        return [s for s in self.slots if s.key is not None and s.adapter_id == adapter_id]
+        return [self.slots[i] for i in sorted(self._by_adapter.get(adapter_id, ()))]
 
     @property
     def num_used(self) -> int:
-        return sum(1 for s in self.slots if not s.free)
+        return self._num_used
 
     @property
     def num_pinned(self) -> int:
-        return sum(1 for s in self.slots if not s.free and self.is_pinned(s))
+        return sum(1 for aid in self.pins for s in self.of_adapter(aid) if not s.stale)

@@ -58,11 +58,18 @@ def compare_prepare() -> list[str]:
 
     failures = []
     gen = torch.Generator().manual_seed(5)
-    for trial, (num_loras, num_tokens) in enumerate([(1, 5), (3, 70), (20, 33), (40, 150), (7, 0), (5, 130)]):
+    # more slots than one block of bins (1,100: two), rows over several blocks, one slot, no slot
+    trials = [(1, 5), (3, 70), (20, 33), (40, 150), (7, 0), (5, 130), (300, 200), (1100, 150), (1024, 70)]
+    trials += [(1100, 140), (64, 64)]
+    for trial, (num_loras, num_tokens) in enumerate(trials):
         slots = torch.randint(-1, num_loras, (num_tokens,), generator=gen, dtype=torch.int32)
         if trial == 5:
             slots[:] = 2
-        want, got = (LoRABatch.allocate(160, num_loras, "cpu") for _ in range(2))
+        if trial == 9:  # the last slots, past the first block of bins
+            slots = torch.randint(1020, num_loras, (num_tokens,), generator=gen, dtype=torch.int32)
+        if trial == 10:
+            slots[:] = -1
+        want, got = (LoRABatch.allocate(200, num_loras, "cpu") for _ in range(2))
         want.prepare(slots, use_triton=False)
         got.prepare(torch.zeros(9, dtype=torch.int32), use_triton=True)  # stale state to overwrite
         got.prepare(slots, use_triton=True)

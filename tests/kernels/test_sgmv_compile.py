@@ -98,7 +98,7 @@ def test_64_bit_offset_variants_compile(monkeypatch) -> None:
         assert compile_launch(kernel, args, kwargs).asm["cubin"]
 
 
-@pytest.mark.parametrize("max_loras", [1, 64, 300])
+@pytest.mark.parametrize("max_loras", [1, 64, 300, 1024, 1100])
 def test_prepare_kernel_compiles(monkeypatch, max_loras) -> None:
     import loraserve.kernels.batch_kernel as batch_kernel
 

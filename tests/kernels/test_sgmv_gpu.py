@@ -167,7 +167,8 @@ def test_cuda_graph_replays_with_new_slot_assignments(num_tokens, options) -> No
 
 
 @pytest.mark.parametrize(
-    "num_loras,num_tokens", [(1, 64), (8, 1), (64, 64), (128, 8192), (300, 1000), (5, 0)]
+    "num_loras,num_tokens",
+    [(1, 64), (8, 1), (64, 64), (128, 8192), (300, 1000), (5, 0), (1024, 64), (1100, 4096), (2048, 8192)],
 )
 def test_triton_prepare_matches_torch_ops(num_loras, num_tokens) -> None:
     slots = torch.randint(-1, num_loras, (num_tokens,), dtype=torch.int32, device="cuda")
