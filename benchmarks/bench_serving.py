@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_args import parser
 from serving_fleet import Fleet, Service, WorkerOptions, register_all, write_adapters, write_model
 from serving_probes import EngineSampler, host_cpu, py_spy
-from serving_report import device_name, line_for, resident_share
+from serving_report import device_name, line_for, resident_share, still_warming, store_share
 
 from loraserve.clients.bench.runner import RunLimits, run_benchmark
 from loraserve.clients.bench.targets import RouterTarget, Sampling, Target, WorkerTarget
@@ -180,6 +180,26 @@ class Bench:
         return summary
 
     # ------------------------------------------------------------------ the N sweep
+    def settle(
+        self, target: Callable[[], Target], ids: Sequence[str], n: int, warmup: dict, metrics: str
+    ) -> list[dict]:
+        """With --settle S: more warm-up periods of S seconds while the share of requests whose
+        adapter came from the store keeps falling (serving_report.still_warming), up to
+        --max-warmup seconds in all; each period's store share and throughput."""
+        a = self.args
+        periods: list[dict] = []
+        before, now = None, store_share(warmup)
+        spent = float(warmup.get("duration_s") or 0.0)
+        while a.settle > 0 and spent + a.settle <= a.max_warmup and still_warming(before, now):
+            got = self.load(
+                target, ids, rate=None, duration=a.settle, seed=n + 1000 * (len(periods) + 1),
+                metrics=[metrics],
+            )  # fmt: skip
+            before, now = now, store_share(got)
+            spent += float(got.get("duration_s") or a.settle)
+            periods.append({"store_share": now, "request_throughput": got["request_throughput"]})
+        return periods
+
     def sweep(self, worker: Service, names: list[str], variant: str = "") -> None:
         """The N sweep on `worker`; a `variant` (a worker started with other flags) is reported
         under results["variants"][variant] instead of results["n"]."""
@@ -200,6 +220,7 @@ class Bench:
                 row["warmup"] = self.load(
                     target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address]
                 )
+            row["settle"] = self.settle(target, ids, n, row["warmup"], worker.metrics_address)
             with (
                 self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant),
                 EngineSampler(worker.address) as engine,

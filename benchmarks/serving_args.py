@@ -32,6 +32,17 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--lookahead", type=int, default=16)
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before each N's runs")
     p.add_argument("--first-warmup", type=float, default=30.0, help="seconds of load before the first N's")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds of each further warm-up period, run while the share of requests whose adapter "
+        "comes from the store keeps falling (0 = off): slots that hold every adapter fill before the "
+        "measured runs",
+    )
+    p.add_argument(
+        "--max-warmup", type=float, default=120.0, help="with --settle: warm-up seconds per N in all"
+    )
     p.add_argument("--duration", type=float, default=15.0, help="seconds per measured run")
     p.add_argument("--prefetch", type=int, default=32, help="adapters prefetched per round when on")
     p.add_argument("--prefetch-duration", type=float, default=15.0, help="0 = skip the two-worker runs")

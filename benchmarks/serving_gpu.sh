@@ -9,6 +9,8 @@
 # A/B of the worker against another commit, in one run with one store and one set of adapters:
 #   git worktree add /path/to/base COMMIT
 #   bash benchmarks/serving_gpu.sh --ns 5,1000 --prefetch-duration 0 --variant-tree base=/path/to/base
+# Slots for every adapter fill from the store while traffic runs: --settle 10 warms each N on
+# until the share of requests whose adapter comes from the store stops falling (--max-warmup caps it).
 # The measured run of benchmarks/results/serving.md's two-worker table:
 #   bash benchmarks/serving_gpu.sh --no-sweep --ns 1000 --prefetch 32 --prefetch-warmup 60 \
 #     --prefetch-duration 15 --prefetch-rate 10   (about 8 minutes: off, then on)

@@ -12,6 +12,22 @@ def device_name(device: str) -> str:
     return "cpu"
 
 
+def store_share(summary: dict) -> float | None:
+    """Requests whose adapter had to come from the store, over requests with an adapter."""
+    resident = resident_share(summary)
+    return None if resident is None else round(1.0 - resident, 4)
+
+
+def still_warming(before: float | None, now: float | None, floor: float = 0.02, drop: float = 0.75) -> bool:
+    """Whether another warm-up period is worth running: the share of requests whose adapter came
+    from the store is still above `floor` and fell by more than a quarter since the last period
+    (tiers smaller than the adapter set level off above the floor; tiers that hold every adapter
+    fall to it)."""
+    if now is None or now <= floor:
+        return False
+    return before is None or now < drop * before
+
+
 def line_for(n: int, row: dict) -> str:
     sat, l80 = row["saturation"], row["load_80"]
     tiers = l80.get("ttft_ms_by_tier") or {}

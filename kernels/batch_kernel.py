@@ -42,7 +42,7 @@ def _rows_pass(  # type: ignore[no-untyped-def]
         ts = t0 + offs
         ok = ts < num_tokens
         s = tl.load(slots_ptr + ts, mask=ok, other=-1)
-        key = tl.where(s < 0, max_loras, s)
+        key = tl.where((s < 0) | (s >= max_loras), max_loras, s)  # out of range: never past the scratch
         same = (key[:, None] == key[None, :]) & ok[None, :]
         rank = tl.sum((same & earlier).to(tl.int32), 1)
         last = ok & (tl.sum((same & later).to(tl.int32), 1) == 0)

@@ -21,6 +21,7 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
         "--num-adapters", "12", "--ns", "2,12", "--max-loras", "2", "--max-cpu-loras", "6",
         "--store-cache", "3", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
         "--kv-cache-mb", "32", "--prompt-len", "8:16", "--output-len", "2:6", "--warmup", "0.5", "--first-warmup", "0.5",
+        "--settle", "0.5", "--max-warmup", "2",
         "--duration", "1.5", "--prefetch", "6", "--prefetch-warmup", "1.5", "--prefetch-duration", "1.5",
         "--redis-url", redis_url, "--redis-prefix", redis_prefix, "--processes", "2", "--json", str(out),
         "--variant-tree", f"self={Path(__file__).resolve().parents[2]}",  # this checkout, run from outside it
@@ -35,6 +36,8 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
         tiers = row["saturation"]["ttft_ms_by_tier"]
         assert set(tiers) <= {"gpu", "cpu", "store"} and sum(t["count"] for t in tiers.values()) > 0
         assert row["saturation"]["adapter_activity"]["loads"]  # read from the worker's metrics
+        # --settle: at most three more half-second periods within the 2 s, each with its store share
+        assert len(row["settle"]) <= 3 and all(0.0 <= p["store_share"] <= 1.0 for p in row["settle"])
     # more adapters than slots and CPU entries: some requests found theirs only at the store
     assert "store" in got["n"]["12"]["saturation"]["ttft_ms_by_tier"]
     assert got["throughput_ratio"]["ratio"] > 0

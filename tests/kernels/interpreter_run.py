@@ -86,7 +86,14 @@ def compare_prepare() -> list[str]:
                 for f in ("slot", "start", "end")
             ]
             bound = max_work_items(num_tokens, num_loras, m)
-            pairs += [(f"work{m}.slot past count", want.work[m].slot[n:bound], got.work[m].slot[n:bound])]
+            pairs += [
+                (
+                    f"work{m}.{f} past count",
+                    getattr(want.work[m], f)[n:bound],
+                    getattr(got.work[m], f)[n:bound],
+                )
+                for f in ("slot", "start", "end")
+            ]
         failures += [
             f"L={num_loras} T={num_tokens}: {name} differs" for name, a, b in pairs if not torch.equal(a, b)
         ]

@@ -166,24 +166,44 @@ def test_cuda_graph_replays_with_new_slot_assignments(num_tokens, options) -> No
             assert torch.equal(y[base], y0[base])
 
 
+def _step_slots(kind: str, num_loras: int, num_tokens: int) -> torch.Tensor:
+    """A step's slots: uniform, all one slot, all base rows, or a few hot slots with base rows."""
+    if kind == "one":
+        return torch.full((num_tokens,), num_loras - 1, dtype=torch.int32, device="cuda")
+    if kind == "base":
+        return torch.full((num_tokens,), -1, dtype=torch.int32, device="cuda")
+    if kind == "hot":
+        hot = torch.tensor([-1, 0, num_loras // 2, num_loras - 1], dtype=torch.int32, device="cuda")
+        return hot[torch.randint(0, 4, (num_tokens,), device="cuda")]
+    return torch.randint(-1, num_loras, (num_tokens,), dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("kind", ["uniform", "one", "base", "hot"])
 @pytest.mark.parametrize(
     "num_loras,num_tokens",
     [(1, 64), (8, 1), (64, 64), (128, 8192), (300, 1000), (5, 0), (1024, 64), (1100, 4096), (2048, 8192)],
 )
-def test_triton_prepare_matches_torch_ops(num_loras, num_tokens) -> None:
-    slots = torch.randint(-1, num_loras, (num_tokens,), dtype=torch.int32, device="cuda")
+def test_triton_prepare_matches_torch_ops(num_loras, num_tokens, kind) -> None:
+    """Bit for bit against the torch ops, over a batch that held another step's metadata (the
+    kernel's scratch and outputs stale), launched many times: the kernel passes rows between its
+    threads through global memory, so an ordering race would show as a differing launch."""
+    torch.manual_seed(num_loras * 31 + num_tokens)
+    slots = _step_slots(kind, num_loras, num_tokens)
     want, got = (LoRABatch.allocate(8192, num_loras, "cuda") for _ in range(2))
     want.prepare(slots, use_triton=False)
-    got.prepare(slots, use_triton=True)
-    assert torch.equal(want.sorted_rows[:num_tokens], got.sorted_rows[:num_tokens])
-    assert torch.equal(want.slot_starts, got.slot_starts) and torch.equal(want.slot_counts, got.slot_counts)
-    for m, work in want.work.items():
-        n = int(work.count)
-        assert n == int(got.work[m].count)
-        for field in ("slot", "start", "end"):
-            assert torch.equal(getattr(work, field)[:n], getattr(got.work[m], field)[:n])
-        bound = max_work_items(num_tokens, num_loras, m)  # slot -1 up to the bound the kernels launch
-        assert torch.equal(work.slot[:bound], got.work[m].slot[:bound])
+    got.prepare(_step_slots("uniform", num_loras, 4096), use_triton=True)  # stale state to overwrite
+    for _ in range(50):
+        got.prepare(slots, use_triton=True)
+        assert torch.equal(want.sorted_rows[:num_tokens], got.sorted_rows[:num_tokens])
+        assert torch.equal(want.slot_starts, got.slot_starts)
+        assert torch.equal(want.slot_counts, got.slot_counts)
+        for m, work in want.work.items():
+            n = int(work.count)
+            assert n == int(got.work[m].count)
+            # slot -1, start and end 0 past the count, up to the bound the kernels launch
+            bound = max(n, max_work_items(num_tokens, num_loras, m))
+            for field in ("slot", "start", "end"):
+                assert torch.equal(getattr(work, field)[:bound], getattr(got.work[m], field)[:bound])
 
 
 @pytest.mark.parametrize("graphed", [True, False], ids=["graph", "eager"])

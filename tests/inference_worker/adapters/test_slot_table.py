@@ -63,3 +63,24 @@ def test_victim_takes_the_lowest_free_slot_before_evicting() -> None:
     assert table.victim().index == 2
     table.assign(table.slots[2], "y@d", "y", "d", 8, 1, 10)
     assert table.victim().index == 0  # none free: the least recently used idle slot
+
+
+def test_a_heap_of_refilled_slots_is_started_afresh_and_stays_right() -> None:
+    """Slots refilled as soon as they empty, with no free-slot question between, push an entry
+    each: past four per slot the heap is rebuilt from the slots, and still answers the lowest."""
+    table = SlotTable(3)
+    for i, s in enumerate(table.slots):
+        table.assign(s, f"a{i}@d", f"a{i}", "d", 8, 1, i)
+    for step in range(40):
+        s = table.slots[step % 3]
+        table.release_slot(s)
+        table.assign(s, f"b{step}@d", f"b{step}", "d", 8, 1, 10 + step)
+        assert len(table._free) <= 4 * 3  # rebuilt when it outgrows that
+    assert table.free_slot() is None and table.num_used == 3
+    table.release_slot(table.slots[2])
+    table.mark_stale(table.slots[2])  # a stale mark on a free slot, cleared when it is emptied again
+    table.release_slot(table.slots[0])
+    assert table.free_slot().index == 0 and table.num_used == 1
+    table.release_slot(table.slots[2])
+    assert not table.slots[2].stale and table.free_slot().index == 0
+    assert kept(table) == scanned(table)
