@@ -146,8 +146,10 @@ class Bench:
         duration: float,
         seed: int,
         metrics: Sequence[str] = (),
+        processes: int = 1,
     ) -> dict:
-        """One run: a closed loop of 2 x max_num_seqs in flight (rate None) or Poisson arrivals."""
+        """One run: a closed loop of 2 x max_num_seqs in flight (rate None) or Poisson arrivals,
+        from `processes` generator processes."""
         in_flight = 2 * self.args.max_num_seqs
         limits = (
             RunLimits(duration_s=duration, concurrency=in_flight, open_loop=False)
@@ -169,6 +171,8 @@ class Bench:
                     metrics_urls=metrics,
                     progress_interval_s=None,
                     progress_out=io.StringIO(),
+                    processes=processes,
+                    make_target=make_target,
                 )
             finally:
                 await target.close()
@@ -193,7 +197,7 @@ class Bench:
         while a.settle > 0 and spent + a.settle <= a.max_warmup and still_warming(before, now):
             got = self.load(
                 target, ids, rate=None, duration=a.settle, seed=n + 1000 * (len(periods) + 1),
-                metrics=[metrics],
+                metrics=[metrics], processes=a.gen_processes,
             )  # fmt: skip
             before, now = now, store_share(got)
             spent += float(got.get("duration_s") or a.settle)
@@ -211,30 +215,32 @@ class Bench:
             ids = names[:n]
             row: dict[str, object] = {}
 
-            def target() -> Target:
-                return WorkerTarget(worker.address, Sampling(timeout_s=600))
+            # (a partial, not a closure: each generator process builds its own from it)
+            target = functools.partial(WorkerTarget, worker.address, Sampling(timeout_s=600))
 
             # the first warm-up is longer: the worker's kernels compile for the shapes they meet
             warm = a.first_warmup if i == 0 else a.warmup
             with self.profiled(worker, f"n{n}-warmup", warm, on=i == 0 and not variant):
                 row["warmup"] = self.load(
-                    target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address]
-                )
+                    target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address],
+                    processes=a.gen_processes,
+                )  # fmt: skip
             row["settle"] = self.settle(target, ids, n, row["warmup"], worker.metrics_address)
             with (
                 self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant),
                 EngineSampler(worker.address) as engine,
             ):
                 sat = self.load(
-                    target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address]
-                )
+                    target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address],
+                    processes=a.gen_processes,
+                )  # fmt: skip
             sat["engine"] = engine.summary()
             row["saturation"] = sat
             throughput = float(sat["request_throughput"])
             for share in (0.5, 0.8):
                 got = self.load(
                     target, ids, rate=share * throughput, duration=a.duration, seed=20 + n,
-                    metrics=[worker.metrics_address],
+                    metrics=[worker.metrics_address], processes=a.gen_processes,
                 )  # fmt: skip
                 row[f"load_{int(share * 100)}"] = got
             table[str(n)] = row

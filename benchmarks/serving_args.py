@@ -44,6 +44,14 @@ def parser(description: str) -> argparse.ArgumentParser:
         "--max-warmup", type=float, default=120.0, help="with --settle: warm-up seconds per N in all"
     )
     p.add_argument("--duration", type=float, default=15.0, help="seconds per measured run")
+    p.add_argument(
+        "--gen-processes",
+        type=int,
+        default=2,
+        help="load generator processes of the N sweep (one event loop reads ~40k streamed messages a "
+        "second; one was near its limit at ~290 req/s); the two-worker runs use one, the router's "
+        "choices being its own",
+    )
     p.add_argument("--prefetch", type=int, default=32, help="adapters prefetched per round when on")
     p.add_argument("--prefetch-duration", type=float, default=15.0, help="0 = skip the two-worker runs")
     p.add_argument(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -85,6 +86,13 @@ def parser() -> argparse.ArgumentParser:
         "--num-requests", type=int, default=None, help="requests to send (default 100 without --duration)"
     )
     load.add_argument("--duration", type=float, default=None, help="seconds to send for")
+    load.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="generator processes sharing the stream (each its own connections and event loop): one "
+        "reads a few tens of thousands of streamed messages a second",
+    )
 
     w = p.add_argument_group("workload")
     w.add_argument("--num-adapters", type=int, default=0, help="N adapter ids, from --adapter-format")
@@ -204,6 +212,8 @@ async def _bench(args: argparse.Namespace) -> int:
             metrics_urls=args.metrics_url,
             slo_ttft_ms=args.slo_ttft_ms,
             progress_interval_s=args.progress_interval or None,
+            processes=args.processes,
+            make_target=functools.partial(build_target, args),
         )
     finally:
         await target.close()

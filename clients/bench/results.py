@@ -182,15 +182,17 @@ def format_summary(summary: dict[str, object]) -> str:
     if isinstance(gen, dict):
         lag = gen["lag_ms"]
         assert isinstance(lag, dict)
+        procs = gen.get("processes", 1)
+        whose = "its event loop" if procs == 1 else f"the busiest of its {procs} processes' event loops"
         line = (
-            f"load generator: its event loop busy {gen['busy_share']:.0%} of the run, "
+            f"load generator: {whose} busy {gen['busy_share']:.0%} of the run, "
             f"a timer late by p50 {_fmt(lag['p50'])} / p99 {_fmt(lag['p99'])} ms"
         )
         if gen["saturated"]:
             line += (
                 "\nwarning: the load generator was saturated: requests were sent and read late, "
                 "so the throughput is a lower bound and the latencies include the generator's "
-                "own delay (lower the rate or concurrency, or run it on a faster core)"
+                "own delay (lower the rate or concurrency, or use more --processes)"
             )
         lines.append(line)
     act = summary.get("adapter_activity")

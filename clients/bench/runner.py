@@ -99,9 +99,13 @@ class Runner:
         progress_interval_s: float | None = 2.0,
         progress_out: TextIO = sys.stderr,
         clock: Callable[[], float] = time.perf_counter,
+        progress_sink: Callable[[Progress], None] | None = None,
     ) -> None:
+        """`progress_sink`: called with the progress every interval instead of printing it (a
+        generator process reports to the one that prints, processes.py)."""
         self.target, self.limits = target, limits
         self.progress_interval_s, self.progress_out = progress_interval_s, progress_out
+        self.progress_sink = progress_sink
         self.clock = clock
         self.progress = Progress()
         self.records: list[RequestRecord] = []
@@ -192,7 +196,10 @@ class Runner:
         assert self.progress_interval_s is not None
         while True:
             await asyncio.sleep(self.progress_interval_s)
-            print(self.progress.line(self._now()), file=self.progress_out, flush=True)
+            if self.progress_sink is not None:
+                self.progress_sink(self.progress)
+            else:
+                print(self.progress.line(self._now()), file=self.progress_out, flush=True)
 
     async def _probe_lag(self, lags: list[float]) -> None:
         """How late a timer on the loop wakes (seconds), every LAG_PROBE_S."""
@@ -218,7 +225,7 @@ class Runner:
                 task.cancel()
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
         generator = GeneratorLoad(round(min(1.0, cpu / wall), 3) if wall > 0 else 0.0, latency_ms(lags))
-        if self.progress_interval_s:
+        if self.progress_interval_s and self.progress_sink is None:
             print(self.progress.line(self._now()), file=self.progress_out, flush=True)
         first = min((r.sent_s for r in self.records), default=0.0)
         last = max((r.end_s for r in self.records), default=0.0)
@@ -240,12 +247,30 @@ async def run_benchmark(
     slo_ttft_ms: float | None = None,
     progress_interval_s: float | None = 2.0,
     progress_out: TextIO = sys.stderr,
+    processes: int = 1,
+    make_target: Callable[[], Target] | None = None,
 ) -> BenchmarkResult:
-    """Run the stream against a started target, reading the workers' metrics before and after."""
+    """Run the stream against a started target, reading the workers' metrics before and after.
+    With `processes` > 1 the stream is driven from that many processes (processes.py), each with a
+    target of its own from `make_target` (picklable); `target` is then only the caller's."""
     before = await asyncio.to_thread(worker_metrics.scrape_all, metrics_urls) if metrics_urls else None
-    result = await Runner(
-        target, limits, progress_interval_s=progress_interval_s, progress_out=progress_out
-    ).run(stream)
+    if processes > 1:
+        from loraserve.clients.bench.processes import run_processes
+
+        if make_target is None:
+            raise ValueError("several generator processes need a target factory")
+        result = await run_processes(
+            make_target,
+            stream,
+            limits,
+            processes,
+            progress_interval_s=progress_interval_s,
+            progress_out=progress_out,
+        )
+    else:
+        result = await Runner(
+            target, limits, progress_interval_s=progress_interval_s, progress_out=progress_out
+        ).run(stream)
     activity = None
     if before is not None:
         after = await asyncio.to_thread(worker_metrics.scrape_all, metrics_urls)
@@ -255,6 +280,6 @@ async def run_benchmark(
         duration_s=result.duration_s,
         slo_ttft_ms=slo_ttft_ms,
         activity=activity,
-        generator=result.generator.as_dict(),
+        generator={**result.generator.as_dict(), "processes": processes},
     )
     return BenchmarkResult(summary, result.records)

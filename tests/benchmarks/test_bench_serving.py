@@ -36,6 +36,7 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
         tiers = row["saturation"]["ttft_ms_by_tier"]
         assert set(tiers) <= {"gpu", "cpu", "store"} and sum(t["count"] for t in tiers.values()) > 0
         assert row["saturation"]["adapter_activity"]["loads"]  # read from the worker's metrics
+        assert row["saturation"]["generator"]["processes"] == 2  # the sweep's default
         # --settle: at most three more half-second periods within the 2 s, each with its store share
         assert len(row["settle"]) <= 3 and all(0.0 <= p["store_share"] <= 1.0 for p in row["settle"])
     # more adapters than slots and CPU entries: some requests found theirs only at the store

@@ -396,3 +396,30 @@ def test_open_loop_stops_sending_at_the_duration_and_caps_in_flight() -> None:
     planned = [r for r in RequestStream(spec).take(400) if r.arrival_s < 0.25]
     assert len(result.records) == len(planned) and target.peak == 2
     assert "sent" in progress.getvalue() and progress.getvalue().count("\n") >= 2
+
+
+def test_two_generator_processes_drive_a_worker_with_the_seeded_stream(served, tmp_path: Path) -> None:
+    _, workers, ids = served
+    worker = workers[1]
+    with WorkerClient(worker.address) as client:
+        vocab = client.info().vocab_size
+    out, n = tmp_path / "result.json", 12
+    rc = bench_main(
+        [
+            "--worker", worker.address, "--processes", "2", "--concurrency", "4",
+            "--num-adapters", str(NUM_ADAPTERS), "--adapter-format", "bench-{i}", "--popularity", "zipf",
+            "--num-requests", str(n), "--prompt-len", "4:8", "--output-len", "2:4", "--seed", "5",
+            "--result-json", str(out), "--save-requests", "--progress-interval", "0",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["completed"] == n and s["failed"] == 0 and s["generator"]["processes"] == 2
+    expected = RequestStream(
+        WorkloadSpec(
+            adapter_ids=ids, popularity="zipf", prompt_len=(4, 8), output_len=(2, 4), vocab_size=vocab, seed=5
+        )
+    ).take(n)
+    assert [r["adapter_id"] for r in doc["requests"]] == [r.adapter_id for r in expected]
+    assert [r["output_tokens"] for r in doc["requests"]] == [r.max_tokens for r in expected]
