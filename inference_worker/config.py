@@ -66,6 +66,10 @@ _HELP = {
     "asked for a few times within it, so fleets with little traffic want it longer",
     "adapter_poll_interval_s": "seconds between checks of the store for re-registered or deleted adapters",
     "store_address": "adapter store address host:port (adapters disabled when empty)",
+    "preload_adapters": "adapters loaded before the worker serves, comma-separated, or * for every "
+    "adapter the store lists: fetched into the CPU tier and copied into GPU slots while slots are free, "
+    "never evicting; one that fails is logged and skipped",
+    "preload_timeout_s": "seconds preloading may take; the worker then serves with what is loaded",
     "max_fetches": "adapter fetches from the store that run at once (the worker's fetch threads; "
     "look-ahead starts no more); each holds one adapter's payload in flight",
     "fetch_process": "receive adapters from the store in a child process, handed over through shared "
@@ -120,6 +124,8 @@ class WorkerConfig:
     adapter_poll_interval_s: float = 2.0
     store_address: str = ""
     max_fetches: int = 4
+    preload_adapters: str = ""
+    preload_timeout_s: float = 300.0
     fetch_process: bool = True
     store_token: str | None = field(default=None, repr=False)
     store_tls_ca: str | None = None
@@ -176,6 +182,17 @@ class WorkerConfig:
                 problems.append(f"{name} must be >= 0")
         if not 1 <= self.max_fetches <= 64:
             problems.append("max_fetches must be in [1, 64]")
+        if self.preload_adapters.strip():
+            from loraserve.inference_worker.adapters.preload import parse_preload
+
+            if not self.store_address:
+                problems.append("preload_adapters needs an adapter store (store_address)")
+            try:
+                parse_preload(self.preload_adapters)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if not self.preload_timeout_s > 0:
+            problems.append("preload_timeout_s must be > 0")
         if not 0.05 <= self.switch_interval_ms <= 100:
             problems.append("switch_interval_ms must be within [0.05, 100]")
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from loraserve.inference_worker.adapters.preload import PreloadReport, preload
 from loraserve.inference_worker.builder import build_worker
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import LLMEngine
@@ -126,6 +127,7 @@ class WorkerServer:
                 tokenizer_json=self.engine.tokenizer.to_str(),
             )
         self.metrics_port: int | None = None
+        self.preloaded: PreloadReport | None = None  # what --preload-adapters loaded
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -140,6 +142,11 @@ class WorkerServer:
 
             self.followers.on_failure(on_failure)
         self.engine.start()
+        if self.adapters is not None and self.config.preload_adapters.strip():
+            # before anything can reach the worker: it serves warm (adapters/preload.py)
+            self.preloaded = await preload(
+                self.adapters, self.config.preload_adapters, self.config.preload_timeout_s
+            )
         if self.front is not None and self.relay is not None:
             await self.relay.start(self.front.socket_path)
             try:

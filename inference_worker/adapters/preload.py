@@ -1,0 +1,124 @@
+"""Adapters loaded at start-up, before the worker serves (`--preload-adapters`): a worker whose
+slots can hold every adapter it will serve starts warm instead of fetching each from the store on
+its first request (a thousand fetches take tens of seconds under load).
+
+The adapters named (or, with `*`, every adapter the store lists) are fetched into the CPU tier,
+`max_fetches` at a time, and copied into GPU slots while slots are free. Preloading never evicts:
+what does not fit in free room is skipped and counted. An adapter that cannot be fetched (unknown,
+invalid, the store unreachable) is logged and counted, and the worker starts anyway; so it does
+when the time allowed runs out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from loraserve.inference_worker.adapters.refs import AdapterRef
+from loraserve.inference_worker.errors import WorkerError
+
+if TYPE_CHECKING:
+    from loraserve.inference_worker.adapters.worker_adapters import WorkerAdapters
+
+log = logging.getLogger("loraserve.worker")
+
+ALL = "*"
+
+
+def parse_preload(spec: str) -> list[str] | None:
+    """Adapter ids of `--preload-adapters`: comma-separated, or `*` for every adapter the store
+    lists (None); malformed ids raise ValueError."""
+    spec = spec.strip()
+    if spec == ALL:
+        return None
+    ids = [s.strip() for s in spec.split(",") if s.strip()]
+    for aid in ids:
+        try:
+            AdapterRef.parse(aid)
+        except WorkerError as exc:
+            raise ValueError(f"preload_adapters: {exc}") from None
+    return list(dict.fromkeys(ids))
+
+
+@dataclass
+class PreloadReport:
+    gpu: list[str] = field(default_factory=list)  # in a GPU slot (and the CPU tier)
+    cpu: list[str] = field(default_factory=list)  # in the CPU tier only: no free slot was left
+    skipped: list[str] = field(default_factory=list)  # no free CPU room was left
+    failed: dict[str, str] = field(default_factory=dict)  # adapter id -> why
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return (
+            f"preloaded {len(self.gpu)} adapters into GPU slots and {len(self.cpu)} into the CPU tier "
+            f"only in {self.seconds:.1f} s; {len(self.skipped)} did not fit, {len(self.failed)} failed"
+            + (" (time ran out)" if self.timed_out else "")
+        )
+
+
+async def preload(adapters: WorkerAdapters, spec: str, timeout_s: float) -> PreloadReport:
+    """Preload what `spec` names (see the module's text) within `timeout_s`; on the event loop,
+    before the worker serves."""
+    report = PreloadReport()
+    t0 = time.monotonic()
+    wanted = parse_preload(spec)
+    pool = adapters.pool
+    try:
+        if wanted is None:
+            listing = getattr(pool.fetcher.source, "digests", None)  # the store's (StoreSource)
+            if listing is None:
+                raise WorkerError("the adapter source cannot list its adapters")
+            wanted = sorted((await asyncio.wait_for(listing(), timeout_s)).keys())
+        left = max(0.0, timeout_s - (time.monotonic() - t0))
+        await asyncio.wait_for(_load_all(adapters, wanted, report), left)
+    except asyncio.TimeoutError:
+        report.timed_out = True
+    except WorkerError as exc:  # the store could not be listed: start without
+        report.failed[ALL] = str(exc)
+    report.seconds = time.monotonic() - t0
+    (log.warning if report.failed or report.skipped or report.timed_out else log.info)("%s", report.line())
+    for aid, why in list(report.failed.items())[:20]:
+        log.warning("preload of %s failed: %s", aid, why)
+    return report
+
+
+async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: PreloadReport) -> None:
+    pool = adapters.pool
+    fetches = asyncio.Semaphore(max(1, getattr(pool.fetcher.source, "max_fetches", 4)))
+    into_slots = asyncio.Lock()  # one slot copy at a time: a free slot seen is still free when used
+    reserved = 0  # CPU entries taken by fetches in flight
+
+    async def one(aid: str) -> None:
+        nonlocal reserved
+        async with fetches:
+            with pool.lock:
+                if pool.tiers.cpu.room - reserved <= 0 and pool.tiers.residency(aid) is None:
+                    report.skipped.append(aid)
+                    return
+                reserved += 1
+            try:
+                key = await pool.ensure_cpu(AdapterRef.parse(aid))
+            except Exception as exc:  # whatever fails one adapter fails only its preload
+                report.failed[aid] = str(exc) or type(exc).__name__
+                return
+            finally:
+                reserved -= 1
+        async with into_slots:
+            with pool.lock:
+                in_slot = pool.tiers.table.lookup(key) is not None
+                free = in_slot or pool.tiers.table.free_slot() is not None
+            if not free:
+                report.cpu.append(aid)
+                return
+            try:
+                if not in_slot:
+                    await asyncio.to_thread(pool.activate_now, key)
+            except Exception as exc:
+                report.failed[aid] = str(exc) or type(exc).__name__
+                return
+            report.gpu.append(aid)
+
+    await asyncio.gather(*(one(aid) for aid in wanted))
