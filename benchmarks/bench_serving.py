@@ -147,6 +147,7 @@ class Bench:
         seed: int,
         metrics: Sequence[str] = (),
         processes: int = 1,
+        on_start: Callable[[], None] | None = None,
     ) -> dict:
         """One run: a closed loop of 2 x max_num_seqs in flight (rate None) or Poisson arrivals,
         from `processes` generator processes."""
@@ -173,6 +174,7 @@ class Bench:
                     progress_out=io.StringIO(),
                     processes=processes,
                     make_target=make_target,
+                    on_start=on_start,
                 )
             finally:
                 await target.close()
@@ -220,19 +222,20 @@ class Bench:
 
             # the first warm-up is longer: the worker's kernels compile for the shapes they meet
             warm = a.first_warmup if i == 0 else a.warmup
-            with self.profiled(worker, f"n{n}-warmup", warm, on=i == 0 and not variant):
+            # profiles and the engine sampler start with the run, after the generator's processes
+            with contextlib.ExitStack() as stack:
+                profile = self.profiled(worker, f"n{n}-warmup", warm, on=i == 0 and not variant)
                 row["warmup"] = self.load(
                     target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address],
-                    processes=a.gen_processes,
+                    processes=a.gen_processes, on_start=functools.partial(stack.enter_context, profile),
                 )  # fmt: skip
             row["settle"] = self.settle(target, ids, n, row["warmup"], worker.metrics_address)
-            with (
-                self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant),
-                EngineSampler(worker.address) as engine,
-            ):
+            engine = EngineSampler(worker.address)
+            with contextlib.ExitStack() as stack:
+                contexts = (self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant), engine)
                 sat = self.load(
                     target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address],
-                    processes=a.gen_processes,
+                    processes=a.gen_processes, on_start=functools.partial(_enter_all, stack, contexts),
                 )  # fmt: skip
             sat["engine"] = engine.summary()
             row["saturation"] = sat
@@ -347,6 +350,11 @@ class Bench:
             prefetch=0,
             cuda_graphs=a.device != "cpu",
         )
+
+
+def _enter_all(stack: contextlib.ExitStack, contexts: Sequence[contextlib.AbstractContextManager]) -> None:
+    for context in contexts:
+        stack.enter_context(context)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,6 +46,16 @@ def length_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
@@ -88,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--duration", type=float, default=None, help="seconds to send for")
     load.add_argument(
         "--processes",
-        type=int,
+        type=_positive,
         default=1,
         help="generator processes sharing the stream (each its own connections and event loop): one "
         "reads a few tens of thousands of streamed messages a second",

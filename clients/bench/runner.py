@@ -249,10 +249,14 @@ async def run_benchmark(
     progress_out: TextIO = sys.stderr,
     processes: int = 1,
     make_target: Callable[[], Target] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> BenchmarkResult:
     """Run the stream against a started target, reading the workers' metrics before and after.
     With `processes` > 1 the stream is driven from that many processes (processes.py), each with a
-    target of its own from `make_target` (picklable); `target` is then only the caller's."""
+    target of its own from `make_target` (picklable); `target` is then only the caller's.
+    `on_start`: called as the first request may go out."""
+    if processes < 1:
+        raise ValueError(f"need at least one generator process, got {processes}")
     before = await asyncio.to_thread(worker_metrics.scrape_all, metrics_urls) if metrics_urls else None
     if processes > 1:
         from loraserve.clients.bench.processes import run_processes
@@ -266,8 +270,11 @@ async def run_benchmark(
             processes,
             progress_interval_s=progress_interval_s,
             progress_out=progress_out,
+            on_start=on_start,
         )
     else:
+        if on_start is not None:
+            on_start()
         result = await Runner(
             target, limits, progress_interval_s=progress_interval_s, progress_out=progress_out
         ).run(stream)

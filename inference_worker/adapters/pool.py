@@ -228,8 +228,9 @@ class AdapterPool:
         return self.tiers.residency(adapter_id)
 
     # ------------------------------------------------------------------ admin (any thread but the step loop)
-    def activate_now(self, key: str) -> SlotState:
-        """Put a CPU-tier version into a GPU slot now (admin path); its slot."""
+    def activate_now(self, key: str, evict: bool = True) -> SlotState | None:
+        """Put a CPU-tier version into a GPU slot now (admin path); its slot. `evict` False: only
+        into a free slot (None when none is free)."""
         with self.lock:
             s = self.tiers.table.lookup(key)
             if s is not None:
@@ -239,7 +240,9 @@ class AdapterPool:
                 raise DependencyUnavailable(
                     f"adapter {key} left the CPU cache before it reached a slot; retry"
                 )
-            victim = self.tiers.table.victim(self.wanted)
+            victim = self.tiers.table.victim(self.wanted) if evict else self.tiers.table.free_slot()
+            if victim is None and not evict:
+                return None
             if victim is None:
                 raise AdapterSlotsExhausted(
                     "no GPU slot can be freed: every slot is pinned, used by running sequences or "

@@ -87,15 +87,22 @@ async def preload(adapters: WorkerAdapters, spec: str, timeout_s: float) -> Prel
 
 async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: PreloadReport) -> None:
     pool = adapters.pool
-    fetches = asyncio.Semaphore(max(1, getattr(pool.fetcher.source, "max_fetches", 4)))
-    into_slots = asyncio.Lock()  # one slot copy at a time: a free slot seen is still free when used
-    reserved = 0  # CPU entries taken by fetches in flight
+    max_fetches = max(1, getattr(pool.fetcher.source, "max_fetches", 4))
+    fetches = asyncio.Semaphore(max_fetches)
+    into_slots = asyncio.Lock()  # one slot copy at a time
+    reserved = 0  # CPU entries taken by this preload's fetches in flight
+    landed = asyncio.Event()  # the first fetch is in: the CPU tier's room by bytes is known
 
     async def one(aid: str) -> None:
         nonlocal reserved
         async with fetches:
+            if reserved and not landed.is_set():  # room by bytes is a guess until one has landed
+                await landed.wait()
             with pool.lock:
-                if pool.tiers.cpu.room - reserved <= 0 and pool.tiers.residency(aid) is None:
+                held = pool.tiers.residency(aid) is not None
+                # (the flights include this preload's own; any other holds room as well)
+                room = pool.tiers.cpu.room - max(reserved, len(pool.fetcher.flights))
+                if room <= 0 and not held:
                     report.skipped.append(aid)
                     return
                 reserved += 1
@@ -106,19 +113,19 @@ async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: Preload
                 return
             finally:
                 reserved -= 1
+                landed.set()
         async with into_slots:
-            with pool.lock:
-                in_slot = pool.tiers.table.lookup(key) is not None
-                free = in_slot or pool.tiers.table.free_slot() is not None
-            if not free:
-                report.cpu.append(aid)
-                return
             try:
-                if not in_slot:
-                    await asyncio.to_thread(pool.activate_now, key)
+                slot = await asyncio.to_thread(pool.activate_now, key, False)  # a free slot, or none
             except Exception as exc:
                 report.failed[aid] = str(exc) or type(exc).__name__
                 return
-            report.gpu.append(aid)
+            (report.gpu if slot is not None else report.cpu).append(aid)
 
     await asyncio.gather(*(one(aid) for aid in wanted))
+    # room by bytes is an estimate: what a later fetch displaced is reported as not kept
+    for tier in (report.gpu, report.cpu):
+        for aid in list(tier):
+            if pool.tiers.residency(aid) is None:
+                tier.remove(aid)
+                report.skipped.append(aid)

@@ -89,16 +89,24 @@ class WorkerAdapters:
             module.lora = LoRALayer(slots, layer, group, options)
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, loop: asyncio.AbstractEventLoop, on_fetched: Callable[[], None]) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop, on_fetched: Callable[[], None], *, sync: bool = True
+    ) -> None:
         """Fetches and the store check run on `loop`; `on_fetched` wakes the engine when a fetch ends.
-        The source's fetch process (if it has one) starts now rather than at the first fetch."""
+        The source's fetch process (if it has one) starts now rather than at the first fetch.
+        `sync` False: the fleet sync (heartbeat, residency, prefetch) waits for `start_sync`."""
         self.pool.fetcher.start(loop, on_fetched)
         start_source = getattr(self.pool.fetcher.source, "start", None)
         if start_source is not None:
             start_source()
-        self.sync.start()
+        if sync:
+            self.start_sync()
         if self.store_check is not None:
             self.store_check.start(loop)
+
+    def start_sync(self) -> None:
+        """The fleet sync thread: the worker is announced (routers send it requests) from now."""
+        self.sync.start()
 
     async def close(self) -> None:
         if self.store_check is not None:

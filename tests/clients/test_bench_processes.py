@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
+import itertools
+import time
 
 import pytest
 
@@ -15,17 +17,23 @@ from loraserve.clients.bench.results import RequestRecord
 from loraserve.clients.bench.runner import GeneratorLoad, RunLimits, RunResult, run_benchmark
 from loraserve.clients.bench.targets import TargetError
 from loraserve.clients.bench.workload import RequestStream, WorkloadSpec
-from tests.helpers.bench_targets import EchoTarget, UnreachableTarget
+from tests.helpers.bench_targets import EchoTarget, FirstFails, UnreachableTarget
 
 
-def test_each_process_takes_every_pth_request_and_its_share_of_the_lanes() -> None:
+def test_each_process_takes_requests_in_proportion_to_its_lanes() -> None:
+    # a closed loop of 5 lanes over 3 processes: lanes 0, 3 | 1, 4 | 2; request i rides lane i mod 5
     limits = RunLimits(10, None, 5, open_loop=False)
     parts = [share(limits, k, 3) for k in range(3)]
-    assert [p.num_requests for p in parts] == [4, 3, 3] and [p.concurrency for p in parts] == [2, 2, 1]
+    assert [p.concurrency for p in parts] == [2, 2, 1] and [p.num_requests for p in parts] == [4, 4, 2]
     assert all(p.duration_s is None and not p.open_loop for p in parts)
-    spec = WorkloadSpec(adapter_ids=("a", "b"), vocab_size=10, rate=50.0, seed=2)
-    got = [[r.index for r in every(RequestStream(spec), k, 3, 10)] for k in range(3)]
+    spec = WorkloadSpec(adapter_ids=("a", "b"), vocab_size=10, seed=2)
+    got = [[r.index for r in every(RequestStream(spec), k, 3, limits)] for k in range(3)]
+    assert got == [[0, 3, 5, 8], [1, 4, 6, 9], [2, 7]]
+    # with arrival times: request i from process i mod P, each at its time
+    timed = RunLimits(10, None, None)
+    got = [[r.index for r in every(RequestStream(spec), k, 3, timed)] for k in range(3)]
     assert got == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert [share(timed, k, 3).num_requests for k in range(3)] == [4, 3, 3]
     with pytest.raises(ValueError, match="concurrency of at least 3"):
         check(RunLimits(10, None, 2, open_loop=False), 3)
     with pytest.raises(ValueError, match="at least 4 requests"):
@@ -73,6 +81,11 @@ def test_a_closed_loop_from_two_processes_sends_the_stream_once_each() -> None:
     assert len({r.worker for r in records if r.ok}) == 2  # both processes served
     assert summary["generator"]["processes"] == 2
     assert "2 generator processes" in progress.getvalue()
+    # 4 lanes in all, 2 a process (not 4 each): at most 4 requests in flight at once, give or take
+    # one where the two processes' clocks (taken at the start barrier) differ by a hair
+    events = sorted([(r.sent_s, 1) for r in records] + [(r.end_s, -1) for r in records])
+    in_flight = list(itertools.accumulate(step for _, step in events))
+    assert max(in_flight) <= 5
 
 
 def test_an_open_loop_from_three_processes_keeps_every_arrival_time() -> None:
@@ -86,16 +99,32 @@ def test_an_open_loop_from_three_processes_keeps_every_arrival_time() -> None:
     assert late[len(late) // 2] < 0.05
 
 
-def test_a_process_that_cannot_reach_its_target_fails_the_run_with_that_error() -> None:
-    async def go():
-        return await run_benchmark(
-            EchoTarget(),
-            RequestStream(WorkloadSpec(adapter_ids=("x",), vocab_size=10)),
-            RunLimits(8, None, 2, open_loop=False),
-            processes=2,
-            make_target=UnreachableTarget,
-            progress_interval_s=None,
+def test_a_process_that_cannot_reach_its_target_fails_the_run_with_that_error(tmp_path) -> None:
+    def run(make_target, processes: int):
+        return asyncio.run(
+            run_benchmark(
+                EchoTarget(),
+                RequestStream(WorkloadSpec(adapter_ids=("x",), vocab_size=10)),
+                RunLimits(8, None, 3, open_loop=False),
+                processes=processes,
+                make_target=make_target,
+                progress_interval_s=None,
+                on_start=lambda: pytest.fail("the run started"),
+            )
         )
 
     with pytest.raises(TargetError, match="no such worker"):
-        asyncio.run(go())
+        run(UnreachableTarget, 2)
+    # one of three fails while the others wait for it at the start: its error, not theirs
+    with pytest.raises(TargetError, match="no such worker"):
+        run(functools.partial(FirstFails, str(tmp_path / "marker")), 3)
+    with pytest.raises(ValueError, match="at least one"):
+        run(EchoTarget, 0)
+
+
+def test_the_run_starts_when_every_process_is_ready() -> None:
+    started = []
+    spec = WorkloadSpec(adapter_ids=("x",), output_len=(2, 2), vocab_size=10, seed=3)
+    got = _run(RunLimits(6, None, 2, open_loop=False), spec, 2, progress_interval_s=None,
+               on_start=lambda: started.append(time.perf_counter()))  # fmt: skip
+    assert len(started) == 1 and got.summary["completed"] == 6

@@ -38,3 +38,18 @@ class EchoTarget:
 class UnreachableTarget(EchoTarget):
     async def start(self) -> None:
         raise TargetError("UNAVAILABLE", "no such worker")
+
+
+class FirstFails(EchoTarget):
+    """The first process to start one fails (it creates `marker`); the others start normally."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    async def start(self) -> None:
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        raise TargetError("UNAVAILABLE", "no such worker")

@@ -4,13 +4,15 @@ the worker serves anyway (real store and worker, tiny model, CPU)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from loraserve.adapter_store.demo import DemoAdapterSpec
 from loraserve.clients.worker_client import WorkerClient
-from loraserve.inference_worker.adapters.preload import parse_preload
+from loraserve.inference_worker.adapters.preload import PreloadReport, parse_preload
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.server import BackgroundWorker
 from loraserve.v1 import worker_pb2
@@ -31,11 +33,18 @@ def store(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     s.stop()
 
 
-def _started(model_dir: Path, store, preload: str, **kw) -> BackgroundWorker:
-    cfg = worker_config(
-        model_dir, store_address=store.address, preload_adapters=preload, adapter_prefetch=0, **kw
+@contextmanager
+def _started(model_dir: Path, store, preload: str, **kw) -> Iterator[tuple[BackgroundWorker, PreloadReport]]:
+    """A worker started with --preload-adapters `preload` (popularity prefetch at its default),
+    and what its preload reported."""
+    worker = BackgroundWorker(
+        worker_config(model_dir, store_address=store.address, preload_adapters=preload, **kw)
     )
-    return BackgroundWorker(cfg)
+    try:
+        assert worker.server is not None and worker.server.preloaded is not None
+        yield worker, worker.server.preloaded
+    finally:
+        worker.stop()
 
 
 def _held(worker: BackgroundWorker) -> dict[str, str]:
@@ -44,40 +53,43 @@ def _held(worker: BackgroundWorker) -> dict[str, str]:
 
 
 def test_named_adapters_are_in_slots_before_the_worker_serves(tiny_model_dir, store) -> None:
-    worker = _started(tiny_model_dir, store, "pre-1, pre-3,pre-1", max_loras=4, max_cpu_loras=6)
-    try:
-        report = worker.server.preloaded
-        assert report is not None and sorted(report.gpu) == ["pre-1", "pre-3"] and not report.failed
+    with _started(tiny_model_dir, store, "pre-1, pre-3,pre-1", max_loras=4, max_cpu_loras=6) as (
+        worker,
+        report,
+    ):
+        assert sorted(report.gpu) == ["pre-1", "pre-3"] and not report.failed
         held = _held(worker)  # as soon as it answers: loaded before it served
         assert held == {"pre-1": "ADAPTER_TIER_GPU", "pre-3": "ADAPTER_TIER_GPU"}
-    finally:
-        worker.stop()
 
 
 def test_every_listed_adapter_fills_free_room_and_the_rest_is_counted(tiny_model_dir, store) -> None:
     # 2 slots, 3 CPU entries, 5 adapters: two in slots, one more in the CPU tier, two skipped
-    worker = _started(tiny_model_dir, store, "*", max_loras=2, max_cpu_loras=3)
-    try:
-        report = worker.server.preloaded
-        assert report is not None
+    with _started(tiny_model_dir, store, "*", max_loras=2, max_cpu_loras=3) as (worker, report):
         assert len(report.gpu) == 2 and len(report.cpu) == 1 and len(report.skipped) == 2
         assert sorted(report.gpu + report.cpu + report.skipped) == list(IDS) and not report.failed
         held = _held(worker)
         assert sorted(held.values()) == ["ADAPTER_TIER_CPU", "ADAPTER_TIER_GPU", "ADAPTER_TIER_GPU"]
-    finally:
-        worker.stop()
+        assert set(held) == set(report.gpu + report.cpu)  # nothing preloaded was displaced
 
 
 def test_an_unknown_adapter_is_reported_and_the_worker_serves_the_rest(tiny_model_dir, store) -> None:
-    worker = _started(tiny_model_dir, store, "pre-0,no-such-adapter", max_loras=2, max_cpu_loras=4)
-    try:
-        report = worker.server.preloaded
-        assert report is not None and report.gpu == ["pre-0"] and list(report.failed) == ["no-such-adapter"]
+    with _started(tiny_model_dir, store, "pre-0,no-such-adapter", max_loras=2, max_cpu_loras=4) as (
+        worker,
+        report,
+    ):
+        assert report.gpu == ["pre-0"] and list(report.failed) == ["no-such-adapter"]
         with WorkerClient(worker.address) as client:  # serving: a generation with the preloaded one
-            out = client.generate("hello", adapter_id="pre-0", max_tokens=3)
-        assert len(out.token_ids) == 3
-    finally:
-        worker.stop()
+            assert len(client.generate("hello", adapter_id="pre-0", max_tokens=3).token_ids) == 3
+
+
+def test_when_the_time_runs_out_the_worker_serves_with_what_it_has(tiny_model_dir, store) -> None:
+    with _started(tiny_model_dir, store, "*", max_loras=2, max_cpu_loras=6, preload_timeout_s=0.001) as (
+        worker,
+        report,
+    ):
+        assert report.timed_out and len(report.gpu) < len(IDS)
+        with WorkerClient(worker.address) as client:
+            assert len(client.generate("hi", adapter_id="pre-2", max_tokens=2).token_ids) == 2
 
 
 def test_the_preload_list_is_checked_with_the_configuration() -> None:
@@ -88,14 +100,3 @@ def test_the_preload_list_is_checked_with_the_configuration() -> None:
         WorkerConfig(model="m", store_address="h:1", preload_adapters="bad id!")
     with pytest.raises(ValueError, match="preload_timeout_s"):
         WorkerConfig(model="m", preload_timeout_s=0)
-
-
-def test_when_the_time_runs_out_the_worker_serves_with_what_it_has(tiny_model_dir, store) -> None:
-    worker = _started(tiny_model_dir, store, "*", max_loras=2, max_cpu_loras=6, preload_timeout_s=0.001)
-    try:
-        report = worker.server.preloaded
-        assert report is not None and report.timed_out and len(report.gpu) < len(IDS)
-        with WorkerClient(worker.address) as client:
-            assert len(client.generate("hi", adapter_id="pre-2", max_tokens=2).token_ids) == 2
-    finally:
-        worker.stop()
