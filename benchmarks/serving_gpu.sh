@@ -10,7 +10,11 @@
 #   git worktree add /path/to/base COMMIT
 #   bash benchmarks/serving_gpu.sh --ns 5,1000 --prefetch-duration 0 --variant-tree base=/path/to/base
 # Slots for every adapter fill from the store while traffic runs: --settle 10 warms each N on
-# until the share of requests whose adapter comes from the store stops falling (--max-warmup caps it).
+# until the share of requests whose adapter comes from the store stops falling (--max-warmup caps it);
+# a worker started with --preload-adapters '*' fills them before it serves:
+#   bash benchmarks/serving_gpu.sh --ns 1000,5 --first-warmup 20 --settle 10 --max-warmup 90 \
+#     --prefetch-duration 0 --max-loras 1024 --max-cpu-loras 1100 \
+#     --variant "slots512=--max-loras 512 --max-cpu-loras 768" --variant "preload=--preload-adapters *"
 # The measured run of benchmarks/results/serving.md's two-worker table:
 #   bash benchmarks/serving_gpu.sh --no-sweep --ns 1000 --prefetch 32 --prefetch-warmup 60 \
 #     --prefetch-duration 15 --prefetch-rate 10   (about 8 minutes: off, then on)

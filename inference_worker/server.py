@@ -132,7 +132,14 @@ class WorkerServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         if self.adapters is not None:
-            self.adapters.start(loop, on_fetched=self.engine.wake)
+            # announced to the fleet (heartbeat, residency) only once it serves, below
+            self.adapters.start(loop, on_fetched=self.engine.wake, sync=False)
+            if self.config.preload_adapters.strip():
+                # before the engine starts: a tensor-parallel runner copies the slots to its other
+                # ranks before capturing its graphs, not at the first request (adapters/preload.py)
+                self.preloaded = await preload(
+                    self.adapters, self.config.preload_adapters, self.config.preload_timeout_s
+                )
         self.engine.output_dispatcher = dispatch_on(loop)
         if self.followers is not None:
 
@@ -142,11 +149,6 @@ class WorkerServer:
 
             self.followers.on_failure(on_failure)
         self.engine.start()
-        if self.adapters is not None and self.config.preload_adapters.strip():
-            # before anything can reach the worker: it serves warm (adapters/preload.py)
-            self.preloaded = await preload(
-                self.adapters, self.config.preload_adapters, self.config.preload_timeout_s
-            )
         if self.front is not None and self.relay is not None:
             await self.relay.start(self.front.socket_path)
             try:
@@ -168,6 +170,8 @@ class WorkerServer:
         await self.grpc_server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.adapters is not None:
+            self.adapters.start_sync()
         log.info("worker %s listening on %s:%d", self.config.resolved_worker_id, self.config.host, self.port)
 
     async def drain(self, grace: float | None = None) -> None:

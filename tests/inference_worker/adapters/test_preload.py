@@ -100,3 +100,40 @@ def test_the_preload_list_is_checked_with_the_configuration() -> None:
         WorkerConfig(model="m", store_address="h:1", preload_adapters="bad id!")
     with pytest.raises(ValueError, match="preload_timeout_s"):
         WorkerConfig(model="m", preload_timeout_s=0)
+
+
+def test_the_worker_is_announced_to_the_fleet_only_once_it_serves(tiny_model_dir, store, monkeypatch) -> None:
+    """Preload, then health SERVING, then the fleet sync (heartbeat, residency, prefetch): a router
+    never sends requests to a worker that is still preloading or warming up."""
+    from grpc_health.v1 import health, health_pb2
+
+    import loraserve.inference_worker.server as server_module
+    from loraserve.inference_worker.adapters.worker_adapters import WorkerAdapters
+
+    events: list[str] = []
+    real_preload, real_set, real_sync = (
+        server_module.preload,
+        health.aio.HealthServicer.set,
+        WorkerAdapters.start_sync,
+    )
+
+    async def preload(*args, **kw):
+        got = await real_preload(*args, **kw)
+        events.append("preloaded")
+        return got
+
+    async def set_status(self, service, status):
+        if status == health_pb2.HealthCheckResponse.SERVING and "serving" not in events:
+            events.append("serving")
+        return await real_set(self, service, status)
+
+    def start_sync(self):
+        events.append("announced")
+        return real_sync(self)
+
+    monkeypatch.setattr(server_module, "preload", preload)
+    monkeypatch.setattr(health.aio.HealthServicer, "set", set_status)
+    monkeypatch.setattr(WorkerAdapters, "start_sync", start_sync)
+    with _started(tiny_model_dir, store, "pre-4", max_loras=2, max_cpu_loras=4) as (_, report):
+        assert report.gpu == ["pre-4"]
+        assert events == ["preloaded", "serving", "announced"]
