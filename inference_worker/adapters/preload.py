@@ -2,7 +2,8 @@
 slots can hold every adapter it will serve starts warm instead of fetching each from the store on
 its first request (a thousand fetches take tens of seconds under load).
 
-The adapters named (or, with `*`, every adapter the store lists) are fetched into the CPU tier,
+The adapters named (or, with `*`, every adapter the store lists, those the fleet asks for most
+first, by its decayed request counts where it shares them) are fetched into the CPU tier,
 `max_fetches` at a time, and copied into GPU slots while slots are free. Preloading never evicts:
 what does not fit in free room is skipped and counted. An adapter that cannot be fetched (unknown,
 invalid, the store unreachable) is logged and counted, and the worker starts anyway; so it does
@@ -71,7 +72,8 @@ async def preload(adapters: WorkerAdapters, spec: str, timeout_s: float) -> Prel
             listing = getattr(pool.fetcher.source, "digests", None)  # the store's (StoreSource)
             if listing is None:
                 raise WorkerError("the adapter source cannot list its adapters")
-            wanted = sorted((await asyncio.wait_for(listing(), timeout_s)).keys())
+            listed = await asyncio.wait_for(listing(), timeout_s)
+            wanted = await _most_popular_first(adapters, list(listed), timeout_s)
         left = max(0.0, timeout_s - (time.monotonic() - t0))
         await asyncio.wait_for(_load_all(adapters, wanted, report), left)
     except asyncio.TimeoutError:
@@ -85,15 +87,48 @@ async def preload(adapters: WorkerAdapters, spec: str, timeout_s: float) -> Prel
     return report
 
 
+async def _most_popular_first(adapters: WorkerAdapters, ids: list[str], timeout_s: float) -> list[str]:
+    """`ids` by the fleet's decayed request counts, most asked-for first (what free room there is
+    goes to them), then by id; by id alone where the fleet's counts cannot be read."""
+    try:
+        counts = await asyncio.wait_for(
+            asyncio.to_thread(adapters.sync.coordinator.fleet_popularity), min(timeout_s, 10.0)
+        )
+    except Exception as exc:  # no fleet counts: the store's order
+        log.info("preload: the fleet's adapter popularity could not be read (%s); by id", exc)
+        counts = {}
+    return sorted(ids, key=lambda aid: (-counts.get(aid, 0.0), aid))
+
+
 async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: PreloadReport) -> None:
     pool = adapters.pool
     max_fetches = max(1, getattr(pool.fetcher.source, "max_fetches", 4))
     fetches = asyncio.Semaphore(max_fetches)
-    into_slots = asyncio.Lock()  # one slot copy at a time
+    # free slots go in the order wanted (most popular first), whichever fetch lands first: each
+    # adapter takes its turn at the slots after the one before it
+    turns = [asyncio.Event() for _ in wanted]
     reserved = 0  # CPU entries taken by this preload's fetches in flight
     landed = asyncio.Event()  # the first fetch is in: the CPU tier's room by bytes is known
 
-    async def one(aid: str) -> None:
+    async def one(i: int, aid: str) -> None:
+        try:
+            key = await fetch(aid)
+            if i:
+                await turns[i - 1].wait()
+            if key is not None:
+                await into_slot(aid, key)
+        finally:
+            turns[i].set()
+
+    async def into_slot(aid: str, key: str) -> None:
+        try:
+            slot = await asyncio.to_thread(pool.activate_now, key, False)  # a free slot, or none
+        except Exception as exc:
+            report.failed[aid] = str(exc) or type(exc).__name__
+            return
+        (report.gpu if slot is not None else report.cpu).append(aid)
+
+    async def fetch(aid: str) -> str | None:
         nonlocal reserved
         async with fetches:
             if reserved and not landed.is_set():  # room by bytes is a guess until one has landed
@@ -104,25 +139,18 @@ async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: Preload
                 room = pool.tiers.cpu.room - max(reserved, len(pool.fetcher.flights))
                 if room <= 0 and not held:
                     report.skipped.append(aid)
-                    return
+                    return None
                 reserved += 1
             try:
-                key = await pool.ensure_cpu(AdapterRef.parse(aid))
+                return await pool.ensure_cpu(AdapterRef.parse(aid))
             except Exception as exc:  # whatever fails one adapter fails only its preload
                 report.failed[aid] = str(exc) or type(exc).__name__
-                return
+                return None
             finally:
                 reserved -= 1
                 landed.set()
-        async with into_slots:
-            try:
-                slot = await asyncio.to_thread(pool.activate_now, key, False)  # a free slot, or none
-            except Exception as exc:
-                report.failed[aid] = str(exc) or type(exc).__name__
-                return
-            (report.gpu if slot is not None else report.cpu).append(aid)
 
-    await asyncio.gather(*(one(aid) for aid in wanted))
+    await asyncio.gather(*(one(i, aid) for i, aid in enumerate(wanted)))
     # room by bytes is an estimate: what a later fetch displaced is reported as not kept
     for tier in (report.gpu, report.cpu):
         for aid in list(tier):

@@ -57,7 +57,7 @@ def test_named_adapters_are_in_slots_before_the_worker_serves(tiny_model_dir, st
         worker,
         report,
     ):
-        assert sorted(report.gpu) == ["pre-1", "pre-3"] and not report.failed
+        assert report.gpu == ["pre-1", "pre-3"] and not report.failed  # in the order named
         held = _held(worker)  # as soon as it answers: loaded before it served
         assert held == {"pre-1": "ADAPTER_TIER_GPU", "pre-3": "ADAPTER_TIER_GPU"}
 
@@ -137,3 +137,14 @@ def test_the_worker_is_announced_to_the_fleet_only_once_it_serves(tiny_model_dir
     with _started(tiny_model_dir, store, "pre-4", max_loras=2, max_cpu_loras=4) as (_, report):
         assert report.gpu == ["pre-4"]
         assert events == ["preloaded", "serving", "announced"]
+
+
+def test_every_listed_adapter_goes_by_the_fleets_popularity(tiny_model_dir, store, monkeypatch) -> None:
+    """`*` with room for three of five: the two the fleet asks for most take the slots, in that
+    order, whichever fetch lands first; then the rest by id."""
+    from loraserve.inference_worker.coordination.in_process import InProcessCoordinator
+
+    monkeypatch.setattr(InProcessCoordinator, "fleet_popularity", lambda self: {"pre-3": 9.0, "pre-1": 4.0})
+    with _started(tiny_model_dir, store, "*", max_loras=2, max_cpu_loras=3) as (_, report):
+        assert report.gpu == ["pre-3", "pre-1"] and report.cpu == ["pre-0"]
+        assert sorted(report.skipped) == ["pre-2", "pre-4"]
