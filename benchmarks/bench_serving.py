@@ -39,53 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving_args import parser
 from serving_fleet import Fleet, Service, WorkerOptions, register_all, write_adapters, write_model
-from serving_probes import EngineSampler, host_cpu, py_spy
-from serving_report import device_name, line_for, resident_share, still_warming, store_share
+from serving_probes import EngineSampler, enter_all, holdings, host_cpu, py_spy
+from serving_report import coverage, device_name, line_for, resident_share, still_warming, store_share
 
 from loraserve.clients.bench.runner import RunLimits, run_benchmark
 from loraserve.clients.bench.targets import RouterTarget, Sampling, Target, WorkerTarget
-from loraserve.clients.bench.workload import RequestStream, WorkloadSpec, zipf_weights
+from loraserve.clients.bench.workload import RequestStream, WorkloadSpec
 
 S_LORA_RATIO = 7.61 / 8.05  # S-LoRA's 1,000 / 5 adapters throughput (0.945)
-
-
-def holdings(addresses: Sequence[str]) -> dict[str, dict[str, str]]:
-    """The adapters each worker holds now, from its ListAdapters: adapter id -> tier (a GPU
-    slot's adapter as "gpu", whether or not the CPU tier also holds it; fetches in flight left out)."""
-    from loraserve.clients.worker_client import WorkerClient
-    from loraserve.v1 import worker_pb2
-
-    tiers = {worker_pb2.ADAPTER_TIER_GPU: "gpu", worker_pb2.ADAPTER_TIER_CPU: "cpu"}
-    out = {}
-    for address in addresses:
-        with WorkerClient(address, timeout=10) as client:
-            listed = client.list_adapters()
-        out[address] = {a.adapter_id: tiers[a.tier] for a in listed if a.tier in tiers}
-    return out
-
-
-def coverage(held: dict[str, dict[str, str]], ids: Sequence[str], exponent: float) -> dict[str, object]:
-    """What the fleet's holdings could serve: the Zipf share of requests whose adapter some worker
-    holds (the resident share a router that always found the holder would reach), how many
-    distinct adapters that is, how many are held twice, and how many of the most popular `held`
-    ids (the best a fleet of that many distinct adapters could hold) are among them; per worker,
-    how many it holds in a GPU slot and in the CPU tier only; the popularity ranks (0 = the most
-    popular) of the adapters held twice."""
-    weights = zipf_weights(len(ids), exponent)
-    union = set().union(*held.values())
-    rank = {aid: i for i, aid in enumerate(ids)}
-    twice = sorted(rank.get(aid, -1) for aid in union if sum(aid in h for h in held.values()) > 1)
-    share = sum(w for aid, w in zip(ids, weights, strict=True) if aid in union) / sum(weights)
-    return {
-        "share": round(share, 4),
-        "distinct": len(union),
-        "held_twice": len(twice),
-        "of_the_top": sum(1 for aid in ids[: len(union)] if aid in union),
-        "by_worker": {
-            a: {t: sum(1 for v in h.values() if v == t) for t in ("gpu", "cpu")} for a, h in held.items()
-        },
-        "ranks_held_twice": twice,
-    }
 
 
 class Bench:
@@ -235,7 +196,7 @@ class Bench:
                 contexts = (self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant), engine)
                 sat = self.load(
                     target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address],
-                    processes=a.gen_processes, on_start=functools.partial(_enter_all, stack, contexts),
+                    processes=a.gen_processes, on_start=functools.partial(enter_all, stack, contexts),
                 )  # fmt: skip
             sat["engine"] = engine.summary()
             row["saturation"] = sat
@@ -350,11 +311,6 @@ class Bench:
             prefetch=0,
             cuda_graphs=a.device != "cpu",
         )
-
-
-def _enter_all(stack: contextlib.ExitStack, contexts: Sequence[contextlib.AbstractContextManager]) -> None:
-    for context in contexts:
-        stack.enter_context(context)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """What the serving benchmark (bench_serving.py) reads beside its load: the host's CPU, how often
-the worker's engine holds no request while the load runs, and py-spy profiles of the worker."""
+the worker's engine holds no request while the load runs, py-spy profiles of the worker, and the
+adapters each worker holds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import platform
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
@@ -84,3 +85,24 @@ class EngineSampler:
             "mean_running": round(sum(r for r, _ in self.samples) / n, 2),
             "mean_waiting": round(sum(w for _, w in self.samples) / n, 2),
         }
+
+
+def holdings(addresses: Sequence[str]) -> dict[str, dict[str, str]]:
+    """The adapters each worker holds now, from its ListAdapters: adapter id -> tier (a GPU
+    slot's adapter as "gpu", whether or not the CPU tier also holds it; fetches in flight left out)."""
+    from loraserve.clients.worker_client import WorkerClient
+    from loraserve.v1 import worker_pb2
+
+    tiers = {worker_pb2.ADAPTER_TIER_GPU: "gpu", worker_pb2.ADAPTER_TIER_CPU: "cpu"}
+    out = {}
+    for address in addresses:
+        with WorkerClient(address, timeout=10) as client:
+            listed = client.list_adapters()
+        out[address] = {a.adapter_id: tiers[a.tier] for a in listed if a.tier in tiers}
+    return out
+
+
+def enter_all(stack: contextlib.ExitStack, contexts: Sequence[contextlib.AbstractContextManager]) -> None:
+    """Enter each of `contexts` into `stack` (a run's probes, started as the run starts)."""
+    for context in contexts:
+        stack.enter_context(context)

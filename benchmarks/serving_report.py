@@ -1,7 +1,12 @@
 """What the serving benchmark (bench_serving.py) reports of its runs: the device's name, the share
-of requests that found their adapter resident, and one line per N."""
+of requests that found their adapter resident, what a fleet's holdings could serve, and one line
+per N."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from loraserve.clients.bench.workload import zipf_weights
 
 
 def device_name(device: str) -> str:
@@ -56,3 +61,27 @@ def resident_share(summary: dict) -> float | None:
     counts = {t: s["count"] for t, s in by_tier.items()}
     total = sum(counts.values())
     return round((counts.get("gpu", 0) + counts.get("cpu", 0)) / total, 4) if total else None
+
+
+def coverage(held: dict[str, dict[str, str]], ids: Sequence[str], exponent: float) -> dict[str, object]:
+    """What the fleet's holdings could serve: the Zipf share of requests whose adapter some worker
+    holds (the resident share a router that always found the holder would reach), how many
+    distinct adapters that is, how many are held twice, and how many of the most popular `held`
+    ids (the best a fleet of that many distinct adapters could hold) are among them; per worker,
+    how many it holds in a GPU slot and in the CPU tier only; the popularity ranks (0 = the most
+    popular) of the adapters held twice."""
+    weights = zipf_weights(len(ids), exponent)
+    union = set().union(*held.values())
+    rank = {aid: i for i, aid in enumerate(ids)}
+    twice = sorted(rank.get(aid, -1) for aid in union if sum(aid in h for h in held.values()) > 1)
+    share = sum(w for aid, w in zip(ids, weights, strict=True) if aid in union) / sum(weights)
+    return {
+        "share": round(share, 4),
+        "distinct": len(union),
+        "held_twice": len(twice),
+        "of_the_top": sum(1 for aid in ids[: len(union)] if aid in union),
+        "by_worker": {
+            a: {t: sum(1 for v in h.values() if v == t) for t in ("gpu", "cpu")} for a, h in held.items()
+        },
+        "ranks_held_twice": twice,
+    }
