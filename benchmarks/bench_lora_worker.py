@@ -320,11 +320,12 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     model.init_random()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         payloads = list(pool.map(lambda i: make_payload(cfg, i), range(num_payloads)))
+    slots = max(args.max_loras, num_payloads)
     config = WorkerConfig(
         model=f"random-{shape}",
-        max_loras=max(args.max_loras, num_payloads),
+        max_loras=slots,
         max_lora_rank=RANK,
-        max_cpu_loras=max(args.max_loras, num_payloads),
+        max_cpu_loras=slots,
         max_cpu_lora_mb=64 << 10,
         max_num_seqs=BATCH,
         max_num_batched_tokens=BATCH * PROMPT_LEN,

@@ -107,11 +107,12 @@ class Bench:
         duration: float,
         seed: int,
         metrics: Sequence[str] = (),
-        processes: int = 1,
+        processes: int | None = None,
         on_start: Callable[[], None] | None = None,
     ) -> dict:
         """One run: a closed loop of 2 x max_num_seqs in flight (rate None) or Poisson arrivals,
-        from `processes` generator processes."""
+        from `processes` generator processes (default --gen-processes)."""
+        processes = self.args.gen_processes if processes is None else processes
         in_flight = 2 * self.args.max_num_seqs
         limits = (
             RunLimits(duration_s=duration, concurrency=in_flight, open_loop=False)
@@ -160,7 +161,7 @@ class Bench:
         while a.settle > 0 and spent + a.settle <= a.max_warmup and still_warming(before, now):
             got = self.load(
                 target, ids, rate=None, duration=a.settle, seed=n + 1000 * (len(periods) + 1),
-                metrics=[metrics], processes=a.gen_processes,
+                metrics=[metrics],
             )  # fmt: skip
             before, now = now, store_share(got)
             spent += float(got.get("duration_s") or a.settle)
@@ -188,7 +189,7 @@ class Bench:
                 profile = self.profiled(worker, f"n{n}-warmup", warm, on=i == 0 and not variant)
                 row["warmup"] = self.load(
                     target, ids, rate=None, duration=warm, seed=n, metrics=[worker.metrics_address],
-                    processes=a.gen_processes, on_start=functools.partial(stack.enter_context, profile),
+                    on_start=functools.partial(enter_all, stack, (profile,)),
                 )  # fmt: skip
             row["settle"] = self.settle(target, ids, n, row["warmup"], worker.metrics_address)
             engine = EngineSampler(worker.address)
@@ -196,7 +197,7 @@ class Bench:
                 contexts = (self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant), engine)
                 sat = self.load(
                     target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address],
-                    processes=a.gen_processes, on_start=functools.partial(enter_all, stack, contexts),
+                    on_start=functools.partial(enter_all, stack, contexts),
                 )  # fmt: skip
             sat["engine"] = engine.summary()
             row["saturation"] = sat
@@ -204,7 +205,7 @@ class Bench:
             for share in (0.5, 0.8):
                 got = self.load(
                     target, ids, rate=share * throughput, duration=a.duration, seed=20 + n,
-                    metrics=[worker.metrics_address], processes=a.gen_processes,
+                    metrics=[worker.metrics_address],
                 )  # fmt: skip
                 row[f"load_{int(share * 100)}"] = got
             table[str(n)] = row
@@ -260,25 +261,22 @@ class Bench:
             both = [first.address, second.address]
             metrics = [first.metrics_address, second.metrics_address]
             phases: dict[str, dict] = {}
-            phases["warm"] = self.load(
-                functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
-                ids, rate=None, duration=a.prefetch_warmup, seed=7, metrics=metrics,
-            )  # fmt: skip
+            # one generator process: one router, whose residency and load are its own choices
+            routed = functools.partial(
+                self.load, functools.partial(RouterTarget, both, Sampling(timeout_s=600)), ids, processes=1
+            )
+            phases["warm"] = routed(rate=None, duration=a.prefetch_warmup, seed=7, metrics=metrics)
             held_before = holdings(both)
-            phases["both"] = self.load(
-                functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
-                ids, rate=rate, duration=a.prefetch_duration, seed=8, metrics=metrics,
-            )  # fmt: skip
+            phases["both"] = routed(rate=rate, duration=a.prefetch_duration, seed=8, metrics=metrics)
             phases["both"]["holdings"] = {
                 "before": coverage(held_before, ids, a.zipf),
                 "after": coverage(holdings(both), ids, a.zipf),
             }
             # then the first worker goes away (a restart, a scale-in): the second serves alone
             fleet.stop(first)
-            phases["replaced"] = self.load(
-                functools.partial(RouterTarget, both, Sampling(timeout_s=600)),
-                ids, rate=rate, duration=a.prefetch_duration, seed=9, metrics=[second.metrics_address],
-            )  # fmt: skip
+            phases["replaced"] = routed(
+                rate=rate, duration=a.prefetch_duration, seed=9, metrics=[second.metrics_address]
+            )
             out[v] = phases
             shares = ", ".join(f"{phase} {got['resident_share']}" for phase, got in phases.items())
             held = {

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from loraserve.clients.bench.openai_target import OpenAITarget
 from loraserve.clients.bench.results import format_summary, records_as_dicts
-from loraserve.clients.bench.runner import RunLimits, run_benchmark
+from loraserve.clients.bench.runner import RunLimits, check_processes, run_benchmark
 from loraserve.clients.bench.targets import RouterTarget, Sampling, Target, TargetError, WorkerTarget
 from loraserve.clients.bench.workload import (
     POPULARITIES,
@@ -44,16 +44,6 @@ def length_range(text: str) -> tuple[int, int]:
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError(f"need 1 <= LOW <= HIGH, got {text!r}")
     return low, high
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
-    return n
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--duration", type=float, default=None, help="seconds to send for")
     load.add_argument(
         "--processes",
-        type=_positive,
+        type=int,
         default=1,
         help="generator processes sharing the stream (each its own connections and event loop): one "
         "reads a few tens of thousands of streamed messages a second",
@@ -203,6 +193,7 @@ def build_limits(args: argparse.Namespace) -> RunLimits:
 
 async def _bench(args: argparse.Namespace) -> int:
     limits = build_limits(args)
+    check_processes(limits, args.processes)  # before any connection
     target = build_target(args)
     try:
         await target.start()

@@ -1,10 +1,10 @@
 """One request stream driven from several processes, so the generator is not what limits a fast
 target: one Python event loop reads a few tens of thousands of streamed messages a second.
 
-Process k of P takes the stream's requests whose index is k modulo P, each with its own target
-(its own connections) and its own event loop. With a rate, every request keeps its arrival time,
-so the requests sent, their contents and their times are those of one process; a closed loop's
-lanes are shared out among the processes. The processes start together (a barrier once every
+Each process has its own target (its own connections) and its own event loop. With a rate,
+process k of P sends the requests whose index is k modulo P, each at its arrival time, so the
+requests sent, their contents and their times are those of one process; a closed loop's lanes are
+shared out among the processes and its requests follow the lanes (`owner`). The processes start together (a barrier once every
 target is ready), their records are merged, and the generator's load is the busiest process's."""
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
-from loraserve.clients.bench.runner import GeneratorLoad, Progress, RunLimits, Runner, RunResult
+from loraserve.clients.bench.runner import (
+    GeneratorLoad,
+    Progress,
+    RunLimits,
+    Runner,
+    RunResult,
+    check_processes,
+)
 from loraserve.clients.bench.targets import Target
 from loraserve.clients.bench.workload import BenchRequest
 
@@ -49,15 +56,6 @@ def share(limits: RunLimits, k: int, processes: int) -> RunLimits:
     return replace(limits, num_requests=count, concurrency=lanes)
 
 
-def check(limits: RunLimits, processes: int) -> None:
-    if processes < 1:
-        raise ValueError(f"need at least one generator process, got {processes}")
-    if limits.concurrency is not None and limits.concurrency < processes:
-        raise ValueError(f"{processes} generator processes need a concurrency of at least {processes}")
-    if limits.num_requests is not None and limits.num_requests < processes:
-        raise ValueError(f"{processes} generator processes need at least {processes} requests")
-
-
 def every(
     stream: Iterable[BenchRequest], k: int, processes: int, limits: RunLimits
 ) -> Iterator[BenchRequest]:
@@ -69,16 +67,13 @@ def every(
 
 
 def merge(results: list[RunResult]) -> RunResult:
-    records = sorted((r for res in results for r in res.records), key=lambda r: r.index)
-    first = min((r.sent_s for r in records), default=0.0)
-    last = max((r.end_s for r in records), default=0.0)
     lags: dict[str, float | None] = {}
     for res in results:  # each percentile as bad as the worst process's
         for key, value in res.generator.lag_ms.items():
             old = lags.get(key)
             lags[key] = value if old is None else (old if value is None else max(old, value))
     busy = max((res.generator.busy_share for res in results), default=0.0)
-    return RunResult(records, last - first, GeneratorLoad(busy, lags))
+    return RunResult.of((r for res in results for r in res.records), GeneratorLoad(busy, lags))
 
 
 @dataclass(frozen=True)
@@ -145,9 +140,8 @@ def _collect(children: list[Any], pipes: list[Any], deadline: float | None) -> l
     while len(got) < len(children):
         waiting = {k: (pipes[k], children[k].sentinel) for k in range(len(children)) if k not in got}
         ends = [x for pair in waiting.values() for x in pair]
-        now = time.monotonic()
-        limit = min(t for t in (give_up, deadline) if t is not None) if give_up or deadline else None
-        ready = mp_connection.wait(ends, None if limit is None else max(0.0, limit - now))
+        limit = min((t for t in (give_up, deadline) if t is not None), default=None)
+        ready = mp_connection.wait(ends, None if limit is None else max(0.0, limit - time.monotonic()))
         for k, (recv, sentinel) in waiting.items():
             if recv in ready or sentinel in ready:
                 try:
@@ -184,7 +178,7 @@ async def run_processes(
     a module-level callable or a functools.partial of one, a RequestStream). `on_start` is called
     when every process's target is ready and the run begins (the processes' start-up, a second or
     two, is not part of it)."""
-    check(limits, processes)
+    check_processes(limits, processes)
     ctx = mp.get_context("spawn")  # no fork of a process that holds gRPC's threads
     barrier = ctx.Barrier(processes + 1)
     counters = ctx.Array("q", 4 * processes, lock=False)

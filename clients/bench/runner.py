@@ -89,6 +89,24 @@ class RunResult:
     duration_s: float  # first send to last completion
     generator: GeneratorLoad
 
+    @classmethod
+    def of(cls, records: Iterable[RequestRecord], generator: GeneratorLoad) -> RunResult:
+        """The records in stream order, timed from the first send to the last completion."""
+        ordered = sorted(records, key=lambda r: r.index)
+        first = min((r.sent_s for r in ordered), default=0.0)
+        last = max((r.end_s for r in ordered), default=0.0)
+        return cls(ordered, last - first, generator)
+
+
+def check_processes(limits: RunLimits, processes: int) -> None:
+    """A run's limits can be shared out among `processes` generator processes (processes.py)."""
+    if processes < 1:
+        raise ValueError(f"need at least one generator process, got {processes}")
+    if limits.concurrency is not None and limits.concurrency < processes:
+        raise ValueError(f"{processes} generator processes need a concurrency of at least {processes}")
+    if limits.num_requests is not None and limits.num_requests < processes:
+        raise ValueError(f"{processes} generator processes need at least {processes} requests")
+
 
 class Runner:
     def __init__(
@@ -227,9 +245,7 @@ class Runner:
         generator = GeneratorLoad(round(min(1.0, cpu / wall), 3) if wall > 0 else 0.0, latency_ms(lags))
         if self.progress_interval_s and self.progress_sink is None:
             print(self.progress.line(self._now()), file=self.progress_out, flush=True)
-        first = min((r.sent_s for r in self.records), default=0.0)
-        last = max((r.end_s for r in self.records), default=0.0)
-        return RunResult(sorted(self.records, key=lambda r: r.index), last - first, generator)
+        return RunResult.of(self.records, generator)
 
 
 @dataclass
@@ -255,8 +271,7 @@ async def run_benchmark(
     With `processes` > 1 the stream is driven from that many processes (processes.py), each with a
     target of its own from `make_target` (picklable); `target` is then only the caller's.
     `on_start`: called as the first request may go out."""
-    if processes < 1:
-        raise ValueError(f"need at least one generator process, got {processes}")
+    check_processes(limits, processes)
     before = await asyncio.to_thread(worker_metrics.scrape_all, metrics_urls) if metrics_urls else None
     if processes > 1:
         from loraserve.clients.bench.processes import run_processes

@@ -90,9 +90,9 @@ async def preload(adapters: WorkerAdapters, spec: str, timeout_s: float) -> Prel
 async def _most_popular_first(adapters: WorkerAdapters, ids: list[str], timeout_s: float) -> list[str]:
     """`ids` by the fleet's decayed request counts, most asked-for first (what free room there is
     goes to them), then by id; by id alone where the fleet's counts cannot be read."""
-    try:
+    try:  # (the fleet sync thread, the coordinator's user once serving, has not started yet)
         counts = await asyncio.wait_for(
-            asyncio.to_thread(adapters.sync.coordinator.fleet_popularity), min(timeout_s, 10.0)
+            asyncio.to_thread(adapters.coordinator.fleet_popularity), min(timeout_s, 10.0)
         )
     except Exception as exc:  # no fleet counts: the store's order
         log.info("preload: the fleet's adapter popularity could not be read (%s); by id", exc)
@@ -102,8 +102,7 @@ async def _most_popular_first(adapters: WorkerAdapters, ids: list[str], timeout_
 
 async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: PreloadReport) -> None:
     pool = adapters.pool
-    max_fetches = max(1, getattr(pool.fetcher.source, "max_fetches", 4))
-    fetches = asyncio.Semaphore(max_fetches)
+    fetches = asyncio.Semaphore(adapters.ahead.max_fetches)  # the worker's fetches at once
     # free slots go in the order wanted (most popular first), whichever fetch lands first: each
     # adapter takes its turn at the slots after the one before it
     turns = [asyncio.Event() for _ in wanted]

@@ -110,10 +110,10 @@ class SlotTable:
 
     def _clear(self, s: SlotState) -> bool:
         """Empties `s`; whether it held a version."""
-        held = s.key is not None
-        if s.key is not None:
-            if self.by_key.get(s.key) == s.index:
-                del self.by_key[s.key]
+        key = s.key
+        if key is not None:
+            if self.by_key.get(key) == s.index:
+                del self.by_key[key]
             same = self._by_adapter[s.adapter_id]
             same.discard(s.index)
             if not same:
@@ -121,7 +121,7 @@ class SlotTable:
             self._num_used -= 1
         s.key, s.adapter_id, s.digest, s.rank, s.size_bytes = None, "", "", 0, 0
         s.running, s.stale = 0, False
-        return held
+        return key is not None
 
     def mark_stale(self, s: SlotState) -> None:
         if s.key is not None and self.by_key.get(s.key) == s.index:

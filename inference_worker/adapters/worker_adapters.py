@@ -7,7 +7,8 @@ or a slot can be filled this step from the CPU tier without evicting an adapter 
 sequence uses. Otherwise `can_admit` answers False at once — a miss in both tiers starts one fetch
 on the event loop — and the scheduler keeps scanning the queue, so base requests and requests for
 resident adapters never wait behind a cold one. Nothing here waits on the network on the step
-thread: the coordinator is reached only from `CoordinatorSync`'s thread.
+thread: the coordinator is reached only from `CoordinatorSync`'s thread (and, before that thread
+starts, by preload.py at start-up).
 """
 
 from __future__ import annotations

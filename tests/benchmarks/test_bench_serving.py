@@ -37,8 +37,7 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
         assert set(tiers) <= {"gpu", "cpu", "store"} and sum(t["count"] for t in tiers.values()) > 0
         assert row["saturation"]["adapter_activity"]["loads"]  # read from the worker's metrics
         assert row["saturation"]["generator"]["processes"] == 2  # the sweep's default
-        # --settle: at most three more half-second periods within the 2 s, each with its store share
-        assert len(row["settle"]) <= 3 and all(0.0 <= p["store_share"] <= 1.0 for p in row["settle"])
+        assert isinstance(row["settle"], list)  # (when settling goes on: test_serving_report.py)
     # more adapters than slots and CPU entries: some requests found theirs only at the store
     assert "store" in got["n"]["12"]["saturation"]["ttft_ms_by_tier"]
     assert got["throughput_ratio"]["ratio"] > 0

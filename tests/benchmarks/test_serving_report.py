@@ -3,6 +3,9 @@ adapter came from the store keeps falling and is above the floor."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from benchmarks.bench_serving import Bench
 from benchmarks.serving_report import still_warming, store_share
 
 
@@ -19,3 +22,32 @@ def test_warming_goes_on_while_the_store_share_falls_and_stops_at_a_floor_or_a_l
     assert not still_warming(0.05, 0.015)  # at the floor: every adapter is resident
     assert not still_warming(0.3, None)
     assert not still_warming(None, 0.01)
+
+
+def _summary(store: float, seconds: float = 5.0) -> dict:
+    n = 1000
+    by_tier = {"gpu": {"count": round(n * (1 - store))}, "store": {"count": round(n * store)}}
+    return {"ttft_ms_by_tier": by_tier, "duration_s": seconds, "request_throughput": 100.0}
+
+
+def _settle(shares: list[float], settle: float, max_warmup: float) -> tuple[list[dict], list[dict]]:
+    """Bench.settle over a load whose store share goes through `shares`, after a 5 s warm-up at
+    0.5; (the periods it reports, the runs it asked for)."""
+    asked: list[dict] = []
+
+    def load(target, ids, **kw):
+        asked.append(kw)
+        return _summary(shares[len(asked) - 1])
+
+    bench = SimpleNamespace(args=SimpleNamespace(settle=settle, max_warmup=max_warmup), load=load)
+    return Bench.settle(bench, None, ["a"], 5, _summary(0.5), "metrics"), asked
+
+
+def test_settling_runs_more_warm_up_while_the_store_share_falls_within_the_time_allowed() -> None:
+    periods, asked = _settle([0.2, 0.1, 0.09, 0.01], settle=5, max_warmup=60)
+    assert [p["store_share"] for p in periods] == [0.2, 0.1, 0.09]  # levelled off at 0.09
+    assert all(kw["duration"] == 5 and kw["rate"] is None for kw in asked)
+    assert len({kw["seed"] for kw in asked}) == 3  # each period a stream of its own
+    periods, _ = _settle([0.2, 0.1, 0.05], settle=5, max_warmup=12)  # 5 s warm-up + 5 s, no room for more
+    assert [p["store_share"] for p in periods] == [0.2]
+    assert _settle([0.2], settle=0, max_warmup=60)[0] == []  # off

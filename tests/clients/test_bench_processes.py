@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from loraserve.clients.bench.processes import check, every, merge, share
+from loraserve.clients.bench.processes import every, merge, share
 from loraserve.clients.bench.results import RequestRecord
-from loraserve.clients.bench.runner import GeneratorLoad, RunLimits, RunResult, run_benchmark
+from loraserve.clients.bench.runner import GeneratorLoad, RunLimits, RunResult, check_processes, run_benchmark
 from loraserve.clients.bench.targets import TargetError
 from loraserve.clients.bench.workload import RequestStream, WorkloadSpec
 from tests.helpers.bench_targets import EchoTarget, FirstFails, UnreachableTarget
@@ -35,9 +35,9 @@ def test_each_process_takes_requests_in_proportion_to_its_lanes() -> None:
     assert got == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
     assert [share(timed, k, 3).num_requests for k in range(3)] == [4, 3, 3]
     with pytest.raises(ValueError, match="concurrency of at least 3"):
-        check(RunLimits(10, None, 2, open_loop=False), 3)
+        check_processes(RunLimits(10, None, 2, open_loop=False), 3)
     with pytest.raises(ValueError, match="at least 4 requests"):
-        check(RunLimits(3, None, None), 4)
+        check_processes(RunLimits(3, None, None), 4)
 
 
 def test_merged_records_are_in_stream_order_and_the_generator_is_its_busiest_process() -> None:
@@ -128,3 +128,12 @@ def test_the_run_starts_when_every_process_is_ready() -> None:
     got = _run(RunLimits(6, None, 2, open_loop=False), spec, 2, progress_interval_s=None,
                on_start=lambda: started.append(time.perf_counter()))  # fmt: skip
     assert len(started) == 1 and got.summary["completed"] == 6
+
+
+def test_the_command_line_refuses_a_process_count_its_load_cannot_share_before_connecting(capsys) -> None:
+    from loraserve.clients.bench.cli import bench_main
+
+    for argv in (["--processes", "0"], ["--processes", "3", "--concurrency", "2"]):
+        assert bench_main(["--worker", "127.0.0.1:1", "--num-requests", "10", *argv]) == 1
+        err = capsys.readouterr().err
+        assert "generator process" in err and "UNAVAILABLE" not in err
