@@ -66,13 +66,11 @@ async def preload(adapters: WorkerAdapters, spec: str, timeout_s: float) -> Prel
     report = PreloadReport()
     t0 = time.monotonic()
     wanted = parse_preload(spec)
-    pool = adapters.pool
     try:
         if wanted is None:
-            listing = getattr(pool.fetcher.source, "digests", None)  # the store's (StoreSource)
-            if listing is None:
+            if adapters.list_digests is None:
                 raise WorkerError("the adapter source cannot list its adapters")
-            listed = await asyncio.wait_for(listing(), timeout_s)
+            listed = await asyncio.wait_for(adapters.list_digests(), timeout_s)
             wanted = await _most_popular_first(adapters, list(listed), timeout_s)
         left = max(0.0, timeout_s - (time.monotonic() - t0))
         await asyncio.wait_for(_load_all(adapters, wanted, report), left)

@@ -54,6 +54,7 @@ class WorkerAdapters:
         address: str = "",
     ) -> None:
         self.pool, self.coordinator = pool, coordinator
+        self.list_digests = list_digests  # the store's adapters (id -> digest), where there is a store
         self.ahead = AheadOfNeed(pool, window=lookahead, max_fetches=max_fetches, max_prefetch=prefetch)
         self._requests_by_tier = {t: pool.metrics.requests.labels(t) for t in ("gpu", "cpu", "store")}
         slots = pool.slots
