@@ -9,10 +9,17 @@
 
 With adapters, each graph has a base-only twin without the LoRA path. All graphs share one memory
 pool: one replays at a time.
+
+The step's sampled tokens live in one static buffer (`tokens`): a decode graph writes the greedy
+choice of each row there itself, and the sampler writes every step's tokens there (`Sampler.launch`).
+Each graph begins by taking its rows' input ids from that buffer where the step's `source` column
+says so (a decode row whose token the previous step sampled and the host has not read yet), so that
+no launch outside the graph moves them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -47,6 +54,10 @@ class StepGraphs:
         self._twins: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # base-only twins
         self._out: dict[tuple[str, int, bool], torch.Tensor] = {}
         self._pool: Any = None  # the graphs' shared memory pool, once the first is captured
+        # sampled tokens [rows] int64 (None until captured); each graph's per-row source column
+        # (a row of `tokens`, or -1: the row's own input id) by kind
+        self.tokens: torch.Tensor | None = None
+        self._source: dict[str, torch.Tensor] = {}
 
     def _buffers(self, tokens: int, seqs: int) -> ForwardBatch:
         dev = self.model.device
@@ -64,14 +75,19 @@ class StepGraphs:
     def capture(self, batch_sizes: list[int], token_counts: list[int]) -> None:
         """Decode graphs for `batch_sizes`, graphs of steps with prefill chunks for `token_counts`
         (largest first, so the shared pool is sized by the first)."""
+        dev = self.model.device
+        rows = max([self.max_num_seqs, *batch_sizes])
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
         if batch_sizes:
             b_max = max(batch_sizes)
             self._decode_static = self._buffers(b_max, b_max)
+            self._source["decode"] = torch.full((b_max,), -1, dtype=torch.int64, device=dev)
             for b in sorted(batch_sizes, reverse=True):
                 self._capture("decode", b, self._decode_view(b))
         if token_counts:
             t_max = max(token_counts)
             self._mixed_static = self._buffers(t_max, mixed_segments(t_max, self.max_num_seqs))
+            self._source["mixed"] = torch.full((t_max,), -1, dtype=torch.int64, device=dev)
             for t in sorted(token_counts, reverse=True):
                 self._capture("mixed", t, self._mixed_view(t))
         self.decode = dict(sorted(self.decode.items()))
@@ -83,10 +99,20 @@ class StepGraphs:
             list(self.mixed),
         )
 
+    def holds(self, tokens: torch.Tensor) -> bool:
+        """Whether `tokens` (a step's sampled tokens) are the start of the static buffer."""
+        return self.tokens is not None and tokens.data_ptr() == self.tokens.data_ptr()
+
     def _forward(self, kind: str, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(batch)
+        assert self.tokens is not None
+        n = batch.num_tokens
+        src = self._source[kind][:n]
+        ids = torch.where(src >= 0, self.tokens[src.clamp(min=0)], batch.input_ids)
+        hidden = self.model(dataclasses.replace(batch, input_ids=ids))
         if kind == "decode":
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+            torch.argmax(logits, dim=-1, out=self.tokens[:n])  # the greedy choices, in place
+            return logits
         return hidden[batch.logits_indices]
 
     def _capture(self, kind: str, size: int, batch: ForwardBatch) -> None:
@@ -145,31 +171,43 @@ class StepGraphs:
             return (self.decode if kind == "decode" else self.mixed)[size]
         return self._twins[(kind, size)]
 
-    @staticmethod
-    def _fill(s: ForwardBatch, batch: ForwardBatch, tokens: int, seqs: int, mixed: bool = False) -> None:
+    def _fill(
+        self, kind: str, batch: ForwardBatch, source: torch.Tensor | None, tokens: int, seqs: int
+    ) -> None:
         """The step's inputs into the static buffers: one call (its copies run on the device), since
-        each call that reaches the driver is a point where another thread may take the interpreter."""
+        each call that reaches the driver is a point where another thread may take the interpreter.
+        `source`: the rows' source column (None: every row its own id, as on a tensor-parallel
+        worker's other ranks, whose column stays at -1)."""
+        s = self._decode_static if kind == "decode" else self._mixed_static
         dst = [s.input_ids[:tokens], s.positions[:tokens], s.slot_mapping[:tokens]]
         src = [batch.input_ids, batch.positions, batch.slot_mapping]
+        if source is not None:
+            dst.append(self._source[kind][:tokens])
+            src.append(source)
         # columns past this step's width keep stale ids: never read, the kernels stop at context_lens
         dst += [s.block_tables[:seqs, : batch.block_tables.shape[1]], s.context_lens[:seqs]]
         src += [batch.block_tables, batch.context_lens]
         dst.append(s.token_slots[:tokens])
         src.append(batch.token_slots)
-        if mixed:
+        if kind == "mixed":
             assert batch.prefill_query_start is not None and s.prefill_query_start is not None
             dst += [s.prefill_query_start[: seqs + 1], s.logits_indices[:seqs]]
             src += [batch.prefill_query_start, batch.logits_indices]
         torch._foreach_copy_(dst, src, non_blocking=True)
 
-    def replay_decode(self, b: int, batch: ForwardBatch, lora: bool) -> torch.Tensor:
-        """-> logits [b, vocab] float32 of a decode-only step padded to b rows."""
-        self._fill(self._decode_static, batch, b, b)
+    def replay_decode(
+        self, b: int, batch: ForwardBatch, lora: bool, source: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """-> logits [b, vocab] float32 of a decode-only step padded to b rows; their argmax is in
+        `tokens[:b]` once it has run."""
+        self._fill("decode", batch, source, b, b)
         self._graph("decode", b, lora).replay()
         return self._out[("decode", b, lora)]
 
-    def replay_mixed(self, t: int, batch: ForwardBatch, lora: bool) -> torch.Tensor:
+    def replay_mixed(
+        self, t: int, batch: ForwardBatch, lora: bool, source: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """-> hidden states [segments, hidden] of the sampled rows of a step padded to t tokens."""
-        self._fill(self._mixed_static, batch, t, mixed_segments(t, self.max_num_seqs), mixed=True)
+        self._fill("mixed", batch, source, t, mixed_segments(t, self.max_num_seqs))
         self._graph("mixed", t, lora).replay()
         return self._out[("mixed", t, lora)]

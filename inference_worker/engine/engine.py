@@ -288,7 +288,7 @@ class LLMEngine:
             # detokenize, check stop strings and emit the previous step's tokens while the GPU runs
             self._process_text()
         logits, seqs = self.forker.fork(logits, seqs)
-        launched = self.sampler.launch(logits, seqs, started)
+        launched = self.sampler.launch(logits, seqs, started, *self.runner.token_buffer(logits, len(seqs)))
         for i, seq in enumerate(seqs):
             seq.num_pending += 1
             seq.pending_row = i

@@ -100,6 +100,8 @@ class ModelRunner:
         self._graphs = StepGraphs(model, adapters, self.max_blocks_per_seq, max_num_seqs)
         # captured once, by capture_graphs() when the engine starts; until then steps run eagerly
         self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self._argmax_of: torch.Tensor | None = None  # the last decode graph's logits (token_buffer)
+        self.num_eager_gathers = 0  # steps whose pending inputs were moved outside a graph
 
     # ----------------------------------------------------------------------------- batch building
     def plan(
@@ -118,6 +120,7 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         gather_dst: list[int] = []  # decode rows whose input is the previous step's sampled token
         gather_src: list[int] = []
+        d_source: list[int] = []  # per decode row: that token's row in the previous step (-1: none)
 
         for seq, n in sched.prefills:
             start, table = seq.num_computed_tokens, seq.block_table
@@ -139,8 +142,10 @@ class ModelRunner:
             if seq.num_pending:  # sampled by the step still running: read on the device
                 gather_dst.append(first + i)
                 gather_src.append(seq.pending_row)
+                d_source.append(seq.pending_row)
                 ids.append(0)
             else:
+                d_source.append(-1)
                 ids.append(seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1])
         d_pos = [seq.num_computed_tokens for seq in decodes]
         d_tables = [seq.block_table for seq in decodes]
@@ -208,6 +213,10 @@ class ModelRunner:
             gather=_host_tensor("q", gather_dst + gather_src, torch.int64).view(2, -1)
             if gather_dst
             else None,
+            # a graph step's rows: the graph takes each pending input from the sampled tokens itself
+            source=_host_tensor("q", [-1] * first + d_source + [-1] * (n_tok - end), torch.int64)
+            if pad_to or mixed
+            else None,
             mixed=mixed or 0,
         )
         return plan, sample_seqs
@@ -215,12 +224,15 @@ class ModelRunner:
     def to_device(self, plan: StepPlan) -> ForwardBatch:
         return self._to_device(plan)[0]
 
-    def _to_device(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor | None]:
-        """The step's batch on the device, and its gather rows (StepPlan.gather) there: one copy."""
+    def _to_device(self, plan: StepPlan) -> tuple[ForwardBatch, torch.Tensor | None, torch.Tensor | None]:
+        """The step's batch on the device, and its gather rows and source column (StepPlan.gather,
+        .source) there: one copy."""
         n_tok, n_seq, n_log, n_pre = plan.num_tokens, plan.num_seqs, plan.num_logits, plan.num_prefills
-        host = (plan.h64, plan.h32) if plan.gather is None else (plan.h64, plan.h32, plan.gather)
-        h64, h32, *gather = self._inputs.to_device(*host)
-        return ForwardBatch(
+        extra = [t for t in (plan.gather, plan.source) if t is not None]
+        h64, h32, *rest = self._inputs.to_device(plan.h64, plan.h32, *extra)
+        gather = rest.pop(0) if plan.gather is not None else None
+        source = rest.pop(0) if plan.source is not None else None
+        batch = ForwardBatch(
             input_ids=h64[:n_tok],
             positions=h64[n_tok : 2 * n_tok],
             slot_mapping=h64[2 * n_tok : 3 * n_tok],
@@ -235,7 +247,8 @@ class ModelRunner:
             context_lens_cpu=plan.context_lens_cpu,
             seq_slots=plan.seq_slots,
             prefill_query_start=h32[n_seq + n_tok : n_seq + n_tok + n_pre + 1] if n_pre else None,
-        ), (gather[0] if gather else None)
+        )
+        return batch, gather, source
 
     def build_batch(self, sched: ScheduledBatch, pad_to: int | None) -> tuple[ForwardBatch, list[Sequence]]:
         plan, sample_seqs = self.plan(sched, pad_to)
@@ -264,23 +277,40 @@ class ModelRunner:
         -> logits [plan.num_sampled, V] float32."""
         if plan.gather is not None and prev_tokens is None:
             raise ValueError("the step reads tokens of a previous step that were not given")
-        batch, g = self._to_device(plan)
+        batch, g, source = self._to_device(plan)
+        self._argmax_of = None
         if g is not None:
             assert prev_tokens is not None
-            batch.input_ids[g[0]] = prev_tokens[g[1]]
+            if source is None or not self._graphs.holds(prev_tokens):
+                # an eager step, or tokens sampled outside the graphs' buffer (more rows than it has)
+                batch.input_ids[g[0]] = prev_tokens[g[1]]
+                self.num_eager_gathers += 1
+                if source is not None:
+                    source.fill_(-1)
         lora = self.adapters is not None and any(s >= 0 for s in batch.seq_slots)
         # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
         # steps without adapter rows replay graphs without it
         if plan.bucket:
-            return self._graphs.replay_decode(plan.bucket, batch, lora)[: plan.num_sampled]
+            logits = self._graphs.replay_decode(plan.bucket, batch, lora, source)[: plan.num_sampled]
+            self._argmax_of = logits
+            return logits
         if plan.mixed:
-            hidden = self._graphs.replay_mixed(plan.mixed, batch, lora)[: plan.num_sampled]
+            hidden = self._graphs.replay_mixed(plan.mixed, batch, lora, source)[: plan.num_sampled]
             return self.model.compute_logits(hidden)
         if lora:
             assert self.adapters is not None
             batch.lora = self.adapters.lora_batch(batch.token_slots)
         hidden = self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def token_buffer(self, logits: torch.Tensor, n: int) -> tuple[torch.Tensor | None, bool]:
+        """Where a step's n sampled tokens go on the device: the graphs' buffer, from which the next
+        step's graph takes its pending inputs (None: off the graphs, or more rows than it has); and
+        whether it holds the greedy choices of `logits` already (a decode graph computed them)."""
+        buf = self._graphs.tokens
+        if buf is None or n > buf.numel():
+            return None, False
+        return buf[:n], logits is self._argmax_of
 
     @torch.inference_mode()
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

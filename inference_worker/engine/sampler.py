@@ -172,16 +172,28 @@ class Sampler:
         return self.finish(self.launch(logits, seqs))
 
     def launch(
-        self, logits: torch.Tensor, seqs: list[Sequence], started: torch.cuda.Event | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        started: torch.cuda.Event | None = None,
+        buffer: torch.Tensor | None = None,
+        argmax_ready: bool = False,
     ) -> LaunchedSample:
         """Queue the sampling of one step on the device without waiting for it: its tokens can feed
         the next step on the device before the host reads them (`finish`). Each row's random draw
         is taken at its sequence's next output position, counting a token still on the device.
-        `started`: an event recorded before the step's first launch, to time the step from."""
+        `started`: an event recorded before the step's first launch, to time the step from.
+        `buffer`: [N] int64 on the device to hold the tokens (else a new tensor); `argmax_ready`: it
+        holds the argmax of `logits` already (ModelRunner.token_buffer)."""
         live = [i for i, s in enumerate(seqs) if s.finish_reason is None]  # not ended by a stop string
         penalized = [i for i in live if seqs[i].params.penalized]
         x = self.apply_penalties(logits, seqs, penalized)
-        tokens = x.argmax(dim=-1)  # [N]
+        if buffer is None:
+            tokens = x.argmax(dim=-1)  # [N]
+        else:
+            tokens = buffer
+            if not (argmax_ready and x is logits):  # (penalties change the greedy choices)
+                torch.argmax(x, dim=-1, out=tokens)
         vocab = logits.shape[1]
         plain: list[int] = []
         ordered: list[int] = []

@@ -43,6 +43,9 @@ class StepPlan:
     # [2, G] int64 (rows of input_ids, rows of the previous step's sampled tokens): decode inputs
     # still on the device when the step was planned (asynchronous scheduling); None when none
     gather: torch.Tensor | None = None
+    # [num_tokens] int64, a graph step's (None: eager): per row, the row of the previous step's
+    # sampled tokens it takes as input, or -1 (its own id); the graph applies it (cuda_graphs.py)
+    source: torch.Tensor | None = None
     mixed: int = 0  # the token count of the graph of steps with prefill chunks (0: none)
 
     @staticmethod

@@ -48,7 +48,7 @@ def stub_for(address: str):
     return worker_pb2_grpc.InferenceWorkerStub(grpc.insecure_channel(address))
 
 
-def make_engine(model_dir: Path, **overrides) -> LLMEngine:
+def make_engine(model_dir: Path, device: str = "cpu", **overrides) -> LLMEngine:
     cfg = EngineConfig(
         **{
             **dict(
@@ -63,7 +63,7 @@ def make_engine(model_dir: Path, **overrides) -> LLMEngine:
     )
     tokenizer = load_tokenizer(model_dir)
     return LLMEngine(
-        load_model(model_dir, torch.float32, "cpu"),
+        load_model(model_dir, torch.float32, device),
         tokenizer,
         cfg,
         chat=ChatTemplate.from_dir(model_dir, tokenizer),

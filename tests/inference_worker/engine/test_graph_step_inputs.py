@@ -1,0 +1,85 @@
+"""What a graph step takes from the step before it on the device (cuda_graphs.py): the plan's source
+column names, for each row, the same previous-step row as the eager gather does, and nothing else;
+the sampler writes into a given token buffer and keeps greedy choices it is told are there, unless
+penalties changed the logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loraserve.inference_worker.engine.sampler import Sampler
+from loraserve.inference_worker.engine.scheduler import ScheduledBatch
+from loraserve.inference_worker.engine.sequence import SamplingParams
+from loraserve.inference_worker.engine.step_plan import StepPlan
+from tests.helpers.workers import make_engine
+from tests.inference_worker.engine.test_sampler import _seq
+
+
+def _check_source(plan: StepPlan) -> int:
+    """The graph step's column agrees with the eager gather rows; -> the rows it moves."""
+    assert plan.source is not None and plan.source.shape == (plan.num_tokens,)
+    want = [-1] * plan.num_tokens
+    if plan.gather is not None:
+        for dst, src in plan.gather.T.tolist():
+            want[dst] = src
+    assert plan.source.tolist() == want
+    return sum(1 for s in want if s >= 0)
+
+
+def test_the_source_column_matches_the_gather_in_padded_and_mixed_steps(tiny_model_dir: Path) -> None:
+    """Asynchronous scheduling on CPU plans real steps (prefill chunks beside decodes, pending
+    tokens, padding); each one planned again as a padded decode or mixed graph step carries the
+    same previous-step rows in its source column as the eager step's gather."""
+    engine = make_engine(tiny_model_dir, async_scheduling=True, max_num_batched_tokens=16)
+    runner, plan = engine.runner, engine.runner.plan
+    moved: dict[str, int] = {"decode": 0, "mixed": 0}
+
+    def recording(sched: ScheduledBatch, pad_to: int | None, mixed: int | None = None):
+        got = plan(sched, pad_to, mixed)
+        assert got[0].source is None  # (CPU: no graphs, an eager step)
+        if sched.prefills:
+            tokens = len(sched.decodes) + sum(n for _, n in sched.prefills)
+            moved["mixed"] += _check_source(plan(sched, None, mixed=tokens + 3)[0])
+        else:
+            moved["decode"] += _check_source(plan(sched, len(sched.decodes) + 2)[0])
+        return got
+
+    runner.plan = recording  # type: ignore[method-assign]
+    outs: list = []
+    for i, n in enumerate((30, 12, 25)):
+        prompt = list(range(3 + 7 * i, 40 + 11 * i))
+        engine.submit(engine.make_sequence(f"r{i}", "", prompt, SamplingParams(max_tokens=n), outs.append))
+    for _ in range(200):
+        if not engine.step():
+            break
+    assert engine.idle
+    assert moved["decode"] > 10 and moved["mixed"] > 0
+
+
+def test_tokens_go_to_the_given_buffer_and_ready_greedy_choices_are_kept() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 12)
+    seqs = [_seq(SamplingParams(max_tokens=8)) for _ in range(4)]
+    sampler = Sampler()
+    # not ready: the argmax is written into the buffer
+    buf = torch.full((6,), -5, dtype=torch.int64)
+    out = sampler.launch(logits, seqs, buffer=buf[:4])
+    assert out.tokens.data_ptr() == buf.data_ptr()
+    assert buf[:4].tolist() == logits.argmax(-1).tolist() and buf[4:].tolist() == [-5, -5]
+    # ready (a decode graph computed them): kept as they are, even where they are not the argmax
+    buf[:4] = torch.tensor([7, 8, 9, 10])
+    sampler.launch(logits, seqs, buffer=buf[:4], argmax_ready=True)
+    assert buf[:4].tolist() == [7, 8, 9, 10]
+    # a penalized row changes the logits: every row's choice is made again
+    seqs[1] = _seq(SamplingParams(max_tokens=8, repetition_penalty=1.5), generated=2)
+    want = Sampler().apply_penalties(logits, seqs).argmax(-1)
+    sampler.launch(logits, seqs, buffer=buf[:4], argmax_ready=True)
+    assert buf[:4].tolist() == want.tolist()
+    # a sampled row overwrites its greedy choice with its draw (the same draw as without a buffer)
+    seqs = [_seq(SamplingParams(max_tokens=8)), _seq(SamplingParams(max_tokens=8, temperature=1.0, seed=3))]
+    plain = Sampler().launch(logits[:2], seqs).tokens
+    buf[:2] = logits[:2].argmax(-1)
+    sampler.launch(logits[:2], seqs, buffer=buf[:2], argmax_ready=True)
+    assert buf[:2].tolist() == plain.tolist()
