@@ -267,7 +267,9 @@ class ModelRunner:
             plan, sample_seqs = self.plan(sched, pad_to=next((b for b in self.graphs if b >= n), None))
         else:
             tokens = n + sum(k for _, k in sched.prefills)
-            mixed = next((t for t in self.mixed_graphs if t >= tokens), None)
+            # (a graph has min(t, max_num_seqs) segments: the scheduler runs no more sequences)
+            fits = n + len(sched.prefills) <= self.max_num_seqs
+            mixed = next((t for t in self.mixed_graphs if t >= tokens), None) if fits else None
             plan, sample_seqs = self.plan(sched, pad_to=None, mixed=mixed)
         return self.run(plan, prev_tokens), sample_seqs
 

@@ -10,7 +10,8 @@ policy sees the rest of the queue (`look_ahead`) to bring adapters in before the
 needs a block and none is free, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the head of the queue to be recomputed later. The n
 completions of one request are admitted together (the siblings fork from the first sequence's
-prompt KV when its prefill is done), so the group counts n against `max_num_seqs`.
+prompt KV when its prefill is done), so the group counts n against `max_num_seqs` from admission
+until its siblings have forked.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._preempted = False
+        # running sequences whose siblings have not forked yet: places in the running set held
+        # for them (a few at a time; pruned as they fork, end or are preempted)
+        self._forking: list[Sequence] = []
 
     @property
     def has_work(self) -> bool:
@@ -121,9 +125,10 @@ class Scheduler:
             self._place(out, seq, n, todo)
         if self._preempted:
             return out
+        held = self._held_for_siblings() if self.waiting else 0
         for seq in list(self.waiting):
             # an n > 1 request is admitted with room for its siblings, which fork from it
-            if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or budget <= 0:
+            if len(self.running) + held + 1 + len(seq.forks) > self.max_num_seqs or budget <= 0:
                 break
             if seq.num_pending:  # its last token is still on the device: its prompt waits for it
                 continue
@@ -144,9 +149,18 @@ class Scheduler:
             if seq.admitted_time is None:
                 seq.admitted_time = time.monotonic()
             self.running.append(seq)
+            if seq.forks:
+                self._forking.append(seq)
+                held += len(seq.forks)
             budget -= n
             self._place(out, seq, n, seq.num_uncomputed_tokens)
         return out
+
+    def _held_for_siblings(self) -> int:
+        """Places the running sequences hold for siblings that have not forked from them yet."""
+        if self._forking:
+            self._forking = [s for s in self._forking if s.forks and s.status is SequenceStatus.RUNNING]
+        return sum(len(s.forks) for s in self._forking)
 
     @staticmethod
     def _place(out: ScheduledBatch, seq: Sequence, n: int, todo: int) -> None:

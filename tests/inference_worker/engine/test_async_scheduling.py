@@ -1,7 +1,8 @@
 """Asynchronous scheduling (the next step planned and launched before the last one's tokens are read
 back) gives what the synchronous engine gives: the same tokens, text, stop and length endings,
 logprobs and usage, with chunked prefill, preemption, penalties, seeded sampling and n > 1; a
-sequence that ends is stepped at most once more, and every KV block comes back."""
+sequence that ends is stepped at most once more, every KV block comes back, and the running set
+never outgrows max_num_seqs."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def run(
         engine.step()
         steps += 1
         assert steps < 2000, "the engine stopped making progress"
+        # siblings that fork later hold their places from their request's admission
+        assert len(engine.scheduler.running) <= engine.scheduler.max_num_seqs
     return outs
 
 
