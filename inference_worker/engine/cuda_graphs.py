@@ -19,8 +19,11 @@ no launch outside the graph moves them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,6 +78,16 @@ class StepGraphs:
     def capture(self, batch_sizes: list[int], token_counts: list[int]) -> None:
         """Decode graphs for `batch_sizes`, graphs of steps with prefill chunks for `token_counts`
         (largest first, so the shared pool is sized by the first)."""
+        with _no_collections():
+            self._capture_all(batch_sizes, token_counts)
+        log.info(
+            "captured CUDA graphs for decode batch sizes %s and for steps with prefill chunks of up to "
+            "%s tokens",
+            list(self.decode),
+            list(self.mixed),
+        )
+
+    def _capture_all(self, batch_sizes: list[int], token_counts: list[int]) -> None:
         dev = self.model.device
         rows = max([self.max_num_seqs, *batch_sizes])
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
@@ -92,12 +105,6 @@ class StepGraphs:
                 self._capture("mixed", t, self._mixed_view(t))
         self.decode = dict(sorted(self.decode.items()))
         self.mixed = dict(sorted(self.mixed.items()))
-        log.info(
-            "captured CUDA graphs for decode batch sizes %s and for steps with prefill chunks of up to "
-            "%s tokens",
-            list(self.decode),
-            list(self.mixed),
-        )
 
     def holds(self, tokens: torch.Tensor) -> bool:
         """Whether `tokens` (a step's sampled tokens) are the start of the static buffer."""
@@ -211,3 +218,17 @@ class StepGraphs:
         self._fill("mixed", batch, source, t, mixed_segments(t, self.max_num_seqs))
         self._graph("mixed", t, lora).replay()
         return self._out[("mixed", t, lora)]
+
+
+@contextlib.contextmanager
+def _no_collections() -> Iterator[None]:
+    """No garbage collection inside: one could free CUDA objects held in reference cycles (an
+    earlier engine's graphs, say), and freeing a graph while a stream captures breaks the capture."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

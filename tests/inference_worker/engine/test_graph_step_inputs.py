@@ -1,14 +1,17 @@
 """What a graph step takes from the step before it on the device (cuda_graphs.py): the plan's source
 column names, for each row, the same previous-step row as the eager gather does, and nothing else;
 the sampler writes into a given token buffer and keeps greedy choices it is told are there, unless
-penalties changed the logits."""
+penalties changed the logits; no garbage collection runs while graphs are captured."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
+import pytest
 import torch
 
+from loraserve.inference_worker.engine.cuda_graphs import StepGraphs
 from loraserve.inference_worker.engine.sampler import Sampler
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import SamplingParams
@@ -83,3 +86,23 @@ def test_tokens_go_to_the_given_buffer_and_ready_greedy_choices_are_kept() -> No
     buf[:2] = logits[:2].argmax(-1)
     sampler.launch(logits[:2], seqs, buffer=buf[:2], argmax_ready=True)
     assert buf[:2].tolist() == plain.tolist()
+
+
+def test_no_garbage_collection_while_graphs_are_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection during a capture could free an earlier engine's graphs (held in a reference
+    cycle), which breaks the capture: collections wait until it is over, or has failed."""
+    graphs = StepGraphs.__new__(StepGraphs)  # (the capture itself needs CUDA)
+    graphs.decode, graphs.mixed = {}, {}
+    seen: list[bool] = []
+
+    def capture_all(batch_sizes: list[int], token_counts: list[int]) -> None:
+        seen.append(gc.isenabled())
+        if not batch_sizes:
+            raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(graphs, "_capture_all", capture_all)
+    assert gc.isenabled()
+    graphs.capture([1], [])
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graphs.capture([], [])
+    assert seen == [False, False] and gc.isenabled()
