@@ -47,6 +47,8 @@ def line_for(n: int, row: dict) -> str:
     if gen:
         flag = " SATURATED" if gen["saturated"] else ""
         fetches += f"  generator busy {gen['busy_share']:.0%}, late p99 {gen['lag_ms']['p99']} ms{flag}"
+    if activity.get("gc_collections"):
+        fetches += f"  gc at 80% {activity['gc_collections']} ({activity['gc_over_10ms']} over 10 ms)"
     step = (sat.get("adapter_activity") or {}).get("step_ms")
     steps = f" {step} ms a step" if step is not None else ""
     return (

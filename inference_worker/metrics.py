@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from loraserve.inference_worker.adapters.usage_metrics import AdapterUsageMetrics
+from loraserve.serving.gc_tuning import GCPauses
 
 if TYPE_CHECKING:
     from loraserve.contract.usage import Usage
@@ -71,6 +72,16 @@ class WorkerMetrics:
             registry=r,
         )
         self._step_kinds = {k: self.step_seconds.labels(k) for k in ("prefill", "decode")}
+        # the process's garbage collections: none of its threads runs Python while one does
+        self.gc_pause = Histogram(
+            "loraserve_worker_gc_pause_seconds",
+            "Duration of a garbage collection of the worker's process, by generation",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
+        by_gen = [self.gc_pause.labels(str(g)) for g in range(3)]
+        self._gc = GCPauses(lambda gen, seconds: by_gen[gen].observe(seconds))
         engine.step_observer = self.observe_step
         # host or device bound (CUDA): how long the step thread waited for steps' tokens, and the
         # device time of one step in 16 (engine/device_timing.py)
@@ -120,6 +131,7 @@ class WorkerMetrics:
         return int(self._server.server_port)
 
     def close(self) -> None:
+        self._gc.close()
         if self._server is not None:
             self._server.shutdown()
             self._server = None

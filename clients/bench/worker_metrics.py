@@ -21,6 +21,8 @@ STEP_SECONDS = "loraserve_worker_step_seconds"  # histogram by kind: _count, _su
 DEVICE_WAIT = "loraserve_worker_device_wait_seconds_total"
 STEP_DEVICE_SECONDS = "loraserve_worker_step_device_seconds"  # histogram of one step in 16
 LOAD_SECONDS = "loraserve_worker_adapter_load_seconds"  # histogram by tier: _count, _sum
+GC_PAUSE = "loraserve_worker_gc_pause_seconds"  # histogram by generation: _count, _sum, _bucket
+LONG_GC_PAUSE = "0.01"  # the bucket bound above which a collection counts as long (seconds)
 # a store's metrics among the URLs: where its fetches' payloads came from (memory, disk, source)
 STORE_OPEN_SECONDS = "loraserve_store_fetch_open_seconds"
 
@@ -78,6 +80,9 @@ class AdapterActivity:
     device_wait_seconds: float = 0.0  # of which the step thread waited for the device
     device_seconds: float = 0.0  # device time of the timed steps (one in 16, CUDA) ...
     device_steps: int = 0  # ... and their count
+    gc_collections: dict[str, int] = field(default_factory=dict)  # by generation
+    gc_ms: dict[str, float] = field(default_factory=dict)  # their total duration, by generation
+    gc_long: int = 0  # collections over 10 ms (no thread of the worker ran Python meanwhile)
 
     @property
     def store_fetches(self) -> int:
@@ -98,6 +103,9 @@ class AdapterActivity:
             "step_ms": _per_step_ms(self.step_seconds, self.steps),
             "device_wait_ms_per_step": _per_step_ms(self.device_wait_seconds, self.steps),
             "device_ms_per_step": _per_step_ms(self.device_seconds, self.device_steps),
+            "gc_collections": self.gc_collections,
+            "gc_ms": self.gc_ms,
+            "gc_over_10ms": self.gc_long,
         }
 
 
@@ -152,6 +160,11 @@ def activity(
         return round(exact(name))
 
     loads_n = _sum([_by_label(b, a, LOAD_SECONDS + "_count", "tier") for b, a in pairs])
+    gc_n = _sum([_by_label(b, a, GC_PAUSE + "_count", "generation") for b, a in pairs])
+    gc_short = _sum(
+        [_by_label(b, a, GC_PAUSE + "_bucket", "le", generation=str(g)) for b, a in pairs for g in range(3)]
+    )
+    gc_s = _sum_float([_by_label(b, a, GC_PAUSE + "_sum", "generation", exact=True) for b, a in pairs])
     loads_s = _sum_float([_by_label(b, a, LOAD_SECONDS + "_sum", "tier", exact=True) for b, a in pairs])
     return AdapterActivity(
         loads=_sum(ok),
@@ -169,4 +182,7 @@ def activity(
         device_wait_seconds=exact(DEVICE_WAIT),
         device_seconds=exact(STEP_DEVICE_SECONDS + "_sum"),
         device_steps=delta(STEP_DEVICE_SECONDS + "_count"),
+        gc_collections={g: n for g, n in gc_n.items() if n},
+        gc_ms={g: round(1e3 * v, 2) for g, v in gc_s.items() if gc_n.get(g)},
+        gc_long=sum(gc_n.values()) - gc_short.get(LONG_GC_PAUSE, 0),
     )

@@ -8,13 +8,16 @@ host work at batch 256 (benchmarks/bench_host_step.py), that is about a quarter 
 
 `tune_gc` freezes what is alive once the server is up (never collected again: it lives as long
 as the process) and raises the youngest generation's threshold; cycles are still collected.
+`GCPauses` times every collection: while one runs, no other thread of the process runs Python (a
+step is not planned, no token is streamed), so a long one shows up in the latency tails.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 DEFAULT_GEN0_THRESHOLD = 10_000
 
@@ -45,3 +48,24 @@ def python_default_gc() -> Iterator[None]:
         yield
     finally:
         tune_gc(gen0)
+
+
+class GCPauses:
+    """Each garbage collection's duration, by generation, to `observe(generation, seconds)`, from
+    `gc.callbacks` (process-wide) until `close()`."""
+
+    def __init__(self, observe: Callable[[int, float], None]) -> None:
+        self._observe = observe
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started:  # (a collection under way when this was added has no start)
+            self._observe(info["generation"], time.perf_counter() - self._started)
+            self._started = 0.0
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._callback)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from loraserve.adapter_store.demo import DemoAdapterSpec
-from loraserve.clients.bench import worker_metrics
 from loraserve.clients.bench.cli import bench_main
 from loraserve.clients.bench.results import RequestRecord, format_summary, percentiles, summarize
 from loraserve.clients.bench.runner import GeneratorLoad, RunLimits, Runner, run_benchmark
@@ -21,7 +20,6 @@ from loraserve.clients.bench.targets import Chunk, TargetError
 from loraserve.clients.bench.workload import BenchRequest, RequestStream, WorkloadSpec, adapter_ids
 from loraserve.clients.router import discover_workers
 from loraserve.clients.worker_client import WorkerClient
-from loraserve.inference_worker.adapters.metrics import AdapterMetrics
 from loraserve.inference_worker.server import BackgroundWorker
 from tests.helpers.lora_store import start_demo_store
 from tests.helpers.workers import worker_config
@@ -235,53 +233,6 @@ def test_unreachable_target_is_a_clear_error(capsys) -> None:
     rc = bench_main(["--worker", f"127.0.0.1:{free_port()}", "--num-requests", "1", "--vocab-size", "10"])
     assert rc == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
-
-
-def test_metric_delta_sums_workers_and_splits_failed_loads() -> None:
-    from prometheus_client import generate_latest
-
-    a, b = AdapterMetrics(), AdapterMetrics()
-    a.loads.labels("cpu", "ok").inc(2)
-    before = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (a, b)]
-    a.loads.labels("cpu", "ok").inc(3)
-    a.loads.labels("gpu", "ok").inc(4)
-    b.loads.labels("gpu", "ok").inc(1)
-    b.loads.labels("cpu", "NOT_FOUND").inc(2)
-    b.evictions.labels("gpu").inc(5)
-    a.lookups.labels("miss").inc(3)
-    b.lookups.labels("gpu").inc(7)
-    a.load_seconds.labels("cpu").observe(0.030)
-    b.load_seconds.labels("cpu").observe(0.050)
-    b.load_seconds.labels("gpu").observe(0.002)
-    after = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (a, b)]
-    act = worker_metrics.activity(before, after)
-    assert act.load_ms == {"cpu": 40.0, "gpu": 2.0}  # mean over both workers, by tier
-    assert act.store_origins == {}
-    assert act.loads == {"cpu": 3, "gpu": 5}
-    assert act.failed_loads == {"cpu": 2}
-    assert act.evictions == {"gpu": 5}
-    assert act.store_fetches == 3
-    assert act.lookups == {"gpu": 7, "miss": 3}
-    assert worker_metrics.metrics_url("h:9090") == "http://h:9090/metrics"
-    with pytest.raises(ValueError, match="http"):
-        worker_metrics.scrape("file:///etc/passwd")
-
-
-def test_a_stores_metrics_add_where_its_fetches_came_from() -> None:
-    from prometheus_client import generate_latest
-
-    from loraserve.adapter_store.metrics import StoreMetrics
-
-    worker, store = AdapterMetrics(), StoreMetrics()
-    store.fetch_open_seconds.labels("memory").observe(0.001)
-    before = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (worker, store)]
-    for origin in ("memory", "disk", "disk", "source"):
-        store.fetch_open_seconds.labels(origin).observe(0.01)
-    worker.loads.labels("cpu", "ok").inc(4)
-    after = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (worker, store)]
-    act = worker_metrics.activity(before, after)
-    assert act.store_origins == {"disk": 2, "memory": 1, "source": 1}
-    assert act.store_fetches == 4 and act.as_dict()["store_fetch_origins"] == act.store_origins
 
 
 def test_summary_arithmetic_on_known_records() -> None:

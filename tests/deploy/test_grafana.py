@@ -44,6 +44,7 @@ def exported_series() -> dict[str, set[str]]:
                 labels = {"adapter", "tier"}
             for suffix in SUFFIXES[family.type]:
                 out[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    worker.close()  # (its collector timing hook)
     return out
 
 

@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from loraserve.inference_worker.config import WorkerConfig
-from loraserve.serving.gc_tuning import tune_gc
+from loraserve.serving.gc_tuning import GCPauses, tune_gc
 
 
 @pytest.fixture
@@ -44,3 +44,23 @@ def test_worker_config_checks_the_threshold() -> None:
     with pytest.raises(ValueError, match="gc_threshold must be positive"):
         WorkerConfig(model="m", gc_threshold=0)
     assert WorkerConfig.from_args(["--model", "m", "--gc-threshold", "2000"]).gc_threshold == 2000
+
+
+def test_gc_pauses_times_each_collection_by_generation_until_closed() -> None:
+    seen: list[tuple[int, float]] = []
+    pauses = GCPauses(lambda gen, seconds: seen.append((gen, seconds)))
+    try:
+        junk = [[[] for _ in range(50)] for _ in range(2_000)]  # something for a full collection to walk
+        gc.collect(1)  # (moved out of the young generations)
+        gc.collect(0)
+        gc.collect(2)
+        del junk
+    finally:
+        pauses.close()
+    assert [g for g, _ in seen[-2:]] == [0, 2]
+    assert all(0 < s < 5 for _, s in seen)
+    assert seen[-1][1] > seen[-2][1]  # the full collection walked the junk, the youngest did not
+    n = len(seen)
+    gc.collect()
+    assert len(seen) == n  # closed: no longer called
+    pauses.close()  # (twice is harmless)
