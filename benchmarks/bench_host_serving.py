@@ -7,7 +7,8 @@ it. The load generator (`loraserve bench`'s runner, closed loop) runs in this pr
 core. Reported: the worker's CPU time per streamed token, split into its step thread and the rest
 (the event loop that streams, gRPC's threads), and that of the processes it started (the
 `--stream-process` front), read from /proc, and the client's CPU share (when it nears 1.0 the
-client, not the worker, sets the rate). The worker's processes share the cores the client leaves.
+client, not the worker, sets the rate); and the worker's garbage collections (its metrics). The
+worker's processes share the cores the client leaves.
 
     python benchmarks/bench_host_serving.py [--concurrency 64] [--output-len 64] [--duration 8]
         [--worker-arg=--stream-interval=4 ...] [--json out.json]
@@ -29,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loraserve.clients.bench import worker_metrics  # noqa: E402
 from loraserve.clients.bench.results import summarize  # noqa: E402
 from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
 from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
@@ -123,16 +125,18 @@ def main() -> int:
             sys.executable, "-c", CHILD, str(tid_file),
             "--model", str(model), "--device", "cpu", "--port", "0", "--log-level", "WARNING",
             "--max-num-seqs", str(args.max_num_seqs), "--max-queue-size", str(4 * args.concurrency),
-            "--max-num-batched-tokens", "8192", "--kv-cache-mb", "512", *args.worker_arg,
+            "--max-num-batched-tokens", "8192", "--kv-cache-mb", "512", "--metrics-port", "0",
+            *args.worker_arg,
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, text=True)
         try:
             os.sched_setaffinity(proc.pid, set(worker_cores))
             assert proc.stdout is not None
-            line = proc.stdout.readline()  # "worker ... listening on host:port"
-            if "listening on" not in line:
+            line = proc.stdout.readline()  # "worker ... listening on host:port (metrics on host:port)"
+            if "listening on" not in line or "(metrics on " not in line:
                 raise RuntimeError(f"the worker did not start: {line!r}")
-            address = line.rsplit(" ", 1)[1].strip()
+            address = line.split("listening on ", 1)[1].split()[0]
+            metrics = line.split("(metrics on ", 1)[1].rstrip().removesuffix(")")
             os.sched_setaffinity(0, {client_core})
             asyncio.run(drive(address, args, args.warmup))
             step_tid = int(tid_file.read_text())
@@ -143,10 +147,12 @@ def main() -> int:
                      "-f", "raw", "-o", args.profile],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
+            before = worker_metrics.scrape_all([metrics])
             w0, s0, c0 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
             t0 = time.perf_counter()
             summary, client_share = asyncio.run(drive(address, args, args.duration))
             w1, s1, c1 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
+            activity = worker_metrics.activity(before, worker_metrics.scrape_all([metrics]))
             wall = time.perf_counter() - t0
             if spy is not None:
                 spy.wait(60)
@@ -171,6 +177,10 @@ def main() -> int:
         "children_cpu_share": round((c1 - c0) / hz / wall, 3),
         "children_us_per_token": round(1e6 * (c1 - c0) / hz / tokens, 1),
         "client_cpu_share": round(client_share, 3),
+        # the worker's garbage collections in the measured run: by generation, their total ms
+        "gc_collections": activity.gc_collections,
+        "gc_ms": activity.gc_ms,
+        "gc_over_10ms": activity.gc_long,
     }
     print(json.dumps(row))
     if args.json:

@@ -396,3 +396,6 @@ class LLMEngine:
         forks, seq.forks = seq.forks, []
         for child in forks:  # ended before its prompt was computed: so do the siblings
             self._finish(child, reason, error)
+        if group.done:  # nothing reads it now: freed by reference counts, not by the collector
+            for s in group.seqs:
+                s.group = None
