@@ -192,7 +192,7 @@ class Bench:
                     on_start=functools.partial(enter_all, stack, (profile,)),
                 )  # fmt: skip
             row["settle"] = self.settle(target, ids, n, row["warmup"], worker.metrics_address)
-            engine = EngineSampler(worker.address)
+            engine = EngineSampler(worker.address, window_s=a.duration)
             with contextlib.ExitStack() as stack:
                 contexts = (self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant), engine)
                 sat = self.load(

@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -51,11 +52,13 @@ def py_spy(pid: int, stem: Path, seconds: float, gil: bool = False) -> Iterator[
 
 class EngineSampler:
     """How often the worker's engine holds no request at all (nothing running, nothing waiting)
-    while the load runs: GetWorkerInfo every `interval_s` on a thread of its own. At saturation an
-    empty engine means requests are somewhere else (in transit, or finished and not yet seen)."""
+    while the load runs: GetWorkerInfo every `interval_s` on a thread of its own, for `window_s`
+    seconds from its start (the run's duration: after it a closed loop sends no more and the engine
+    drains). At saturation an empty engine means requests are somewhere else (in transit, or
+    finished and not yet seen)."""
 
-    def __init__(self, address: str, interval_s: float = 0.02) -> None:
-        self.address, self.interval_s = address, interval_s
+    def __init__(self, address: str, window_s: float, interval_s: float = 0.02) -> None:
+        self.address, self.window_s, self.interval_s = address, window_s, interval_s
         self.samples: list[tuple[int, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
@@ -63,8 +66,9 @@ class EngineSampler:
     def _run(self) -> None:
         from loraserve.clients.worker_client import WorkerClient
 
+        end = time.monotonic() + self.window_s
         with WorkerClient(self.address, timeout=2) as client:
-            while not self._stop.wait(self.interval_s):
+            while not self._stop.wait(self.interval_s) and time.monotonic() < end:
                 with contextlib.suppress(Exception):  # a missed sample is no result
                     info = client.info()
                     self.samples.append((info.num_running, info.num_waiting))
