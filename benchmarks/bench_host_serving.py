@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from serving_fleet import LISTENING  # noqa: E402
+
 from loraserve.clients.bench import worker_metrics  # noqa: E402
 from loraserve.clients.bench.results import summarize  # noqa: E402
 from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
@@ -133,10 +135,10 @@ def main() -> int:
             os.sched_setaffinity(proc.pid, set(worker_cores))
             assert proc.stdout is not None
             line = proc.stdout.readline()  # "worker ... listening on host:port (metrics on host:port)"
-            if "listening on" not in line or "(metrics on " not in line:
+            found = LISTENING.search(line)
+            if found is None or found.group(3) is None:
                 raise RuntimeError(f"the worker did not start: {line!r}")
-            address = line.split("listening on ", 1)[1].split()[0]
-            metrics = line.split("(metrics on ", 1)[1].rstrip().removesuffix(")")
+            address, metrics = f"{found.group(1)}:{found.group(2)}", f"{found.group(3)}:{found.group(4)}"
             os.sched_setaffinity(0, {client_core})
             asyncio.run(drive(address, args, args.warmup))
             step_tid = int(tid_file.read_text())
@@ -152,8 +154,8 @@ def main() -> int:
             t0 = time.perf_counter()
             summary, client_share = asyncio.run(drive(address, args, args.duration))
             w1, s1, c1 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
-            activity = worker_metrics.activity(before, worker_metrics.scrape_all([metrics]))
             wall = time.perf_counter() - t0
+            activity = worker_metrics.activity(before, worker_metrics.scrape_all([metrics]))
             if spy is not None:
                 spy.wait(60)
         finally:

@@ -242,7 +242,11 @@ def create_server(config: WorkerConfig) -> tuple[WorkerServer, int]:
 async def start_worker(config: WorkerConfig) -> tuple[WorkerServer, int]:
     """Create and start a worker in this event loop; `await server.drain()` or `.stop()` to end it."""
     server, port = create_server(config)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:  # what it started stops: the engine's thread, the front, the fetches, hooks
+        await server.stop()
+        raise
     return server, port
 
 

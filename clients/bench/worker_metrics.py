@@ -161,9 +161,8 @@ def activity(
 
     loads_n = _sum([_by_label(b, a, LOAD_SECONDS + "_count", "tier") for b, a in pairs])
     gc_n = _sum([_by_label(b, a, GC_PAUSE + "_count", "generation") for b, a in pairs])
-    gc_short = _sum(
-        [_by_label(b, a, GC_PAUSE + "_bucket", "le", generation=str(g)) for b, a in pairs for g in range(3)]
-    )
+    # (a bucket summed over the generations: collections up to its bound)
+    gc_short = _sum([_by_label(b, a, GC_PAUSE + "_bucket", "le") for b, a in pairs])
     gc_s = _sum_float([_by_label(b, a, GC_PAUSE + "_sum", "generation", exact=True) for b, a in pairs])
     loads_s = _sum_float([_by_label(b, a, LOAD_SECONDS + "_sum", "tier", exact=True) for b, a in pairs])
     return AdapterActivity(

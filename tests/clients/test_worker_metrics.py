@@ -21,7 +21,7 @@ def _scrape(*metrics) -> list[dict]:
 def test_metric_delta_sums_workers_and_splits_failed_loads() -> None:
     a, b = AdapterMetrics(), AdapterMetrics()
     a.loads.labels("cpu", "ok").inc(2)
-    before = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (a, b)]
+    before = _scrape(a, b)
     a.loads.labels("cpu", "ok").inc(3)
     a.loads.labels("gpu", "ok").inc(4)
     b.loads.labels("gpu", "ok").inc(1)
@@ -32,7 +32,7 @@ def test_metric_delta_sums_workers_and_splits_failed_loads() -> None:
     a.load_seconds.labels("cpu").observe(0.030)
     b.load_seconds.labels("cpu").observe(0.050)
     b.load_seconds.labels("gpu").observe(0.002)
-    after = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (a, b)]
+    after = _scrape(a, b)
     act = worker_metrics.activity(before, after)
     assert act.load_ms == {"cpu": 40.0, "gpu": 2.0}  # mean over both workers, by tier
     assert act.store_origins == {}
@@ -51,11 +51,11 @@ def test_a_stores_metrics_add_where_its_fetches_came_from() -> None:
 
     worker, store = AdapterMetrics(), StoreMetrics()
     store.fetch_open_seconds.labels("memory").observe(0.001)
-    before = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (worker, store)]
+    before = _scrape(worker, store)
     for origin in ("memory", "disk", "disk", "source"):
         store.fetch_open_seconds.labels(origin).observe(0.01)
     worker.loads.labels("cpu", "ok").inc(4)
-    after = [worker_metrics.parse(generate_latest(m.registry).decode()) for m in (worker, store)]
+    after = _scrape(worker, store)
     act = worker_metrics.activity(before, after)
     assert act.store_origins == {"disk": 2, "memory": 1, "source": 1}
     assert act.store_fetches == 4 and act.as_dict()["store_fetch_origins"] == act.store_origins
@@ -74,13 +74,15 @@ def test_garbage_collections_by_generation_and_the_long_ones() -> None:
     try:
         before = _scrape(a, b)
         a.gc_pause.labels("0").observe(0.0004)
+        a.gc_pause.labels("0").observe(0.008)
         a.gc_pause.labels("2").observe(0.030)
         b.gc_pause.labels("2").observe(0.120)
         b.gc_pause.labels("1").observe(0.004)
+        b.gc_pause.labels("1").observe(0.015)
         act = worker_metrics.activity(before, _scrape(a, b))
-        assert act.gc_collections == {"0": 1, "1": 1, "2": 2}
-        assert act.gc_ms == {"0": 0.4, "1": 4.0, "2": 150.0}
-        assert act.gc_long == 2 and act.as_dict()["gc_over_10ms"] == 2
+        assert act.gc_collections == {"0": 2, "1": 2, "2": 2}
+        assert act.gc_ms == {"0": 8.4, "1": 19.0, "2": 150.0}
+        assert act.gc_long == 3 and act.as_dict()["gc_over_10ms"] == 3  # (over 10 ms: 15, 30, 120)
         # the process's own collections are recorded, into every worker's registry, until closed
         before = _scrape(a, b)
         gc.collect(2)

@@ -35,17 +35,19 @@ class _IdleEngine:
 def exported_series() -> dict[str, set[str]]:
     """sample name -> its label names, for every metric of the store, the worker and the gateway."""
     worker = WorkerMetrics(_IdleEngine())
-    AdapterMetrics(CollectorRegistry()).register_on(worker.registry)
-    out: dict[str, set[str]] = {}
-    for registry in (worker.registry, StoreMetrics().registry, GatewayMetrics().registry):
-        for family in registry.collect():
-            labels = set(getattr(registry._names_to_collectors.get(family.name), "_labelnames", ()))
-            if family.name.startswith("loraserve_worker_per_adapter_resident"):
-                labels = {"adapter", "tier"}
-            for suffix in SUFFIXES[family.type]:
-                out[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
-    worker.close()  # (its collector timing hook)
-    return out
+    try:
+        AdapterMetrics(CollectorRegistry()).register_on(worker.registry)
+        out: dict[str, set[str]] = {}
+        for registry in (worker.registry, StoreMetrics().registry, GatewayMetrics().registry):
+            for family in registry.collect():
+                labels = set(getattr(registry._names_to_collectors.get(family.name), "_labelnames", ()))
+                if family.name.startswith("loraserve_worker_per_adapter_resident"):
+                    labels = {"adapter", "tier"}
+                for suffix in SUFFIXES[family.type]:
+                    out[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+        return out
+    finally:
+        worker.close()  # (its collector timing hook)
 
 
 @pytest.fixture(scope="module")

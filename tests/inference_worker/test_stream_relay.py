@@ -181,3 +181,22 @@ def test_the_front_makes_the_text_of_plain_streams(start_worker) -> None:
     list(stub.GenerateStream(build_request("Hi", max_tokens=5, stop=["never said"]), timeout=30))
     list(stub.GenerateStream(build_request("Hi", max_tokens=5, logprobs=True), timeout=30))
     assert made == [True, False, True, True]
+
+
+def test_a_worker_whose_start_fails_stops_what_it_started(tiny_model_dir) -> None:
+    """The metrics port is taken: the start fails after the engine's thread, the front and the
+    collector timing hook were started, and none of them is left behind."""
+    import gc
+    import threading
+
+    from loraserve.inference_worker.server import start_worker
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = worker_config(tiny_model_dir, metrics_port=taken.getsockname()[1], stream_process=True)
+        hooks = len(gc.callbacks)
+        with pytest.raises(OSError):
+            asyncio.run(start_worker(config))
+    assert len(gc.callbacks) == hooks
+    assert not [t for t in threading.enumerate() if t.name == "engine-step"]
