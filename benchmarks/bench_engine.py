@@ -205,11 +205,12 @@ def bench_model(
             # the same steps with each step's tokens read back before the next is planned
             engine.set_async_scheduling(False)
             sync_times.append(per_call(engine.step))
+            # graph replay alone (no host work): the GPU time of one step; here, after a step
+            # whose inputs were all on the host, a replay repeats that step exactly
+            replay_times.append(per_call(graph.replay))
             engine.set_async_scheduling(True)
             with python_default_gc():
                 gc_times.append(per_call(engine.step))
-            # graph replay alone (no host work): the GPU time of one step
-            replay_times.append(per_call(graph.replay))
         step_s, replay_s = statistics.median(step_times), statistics.median(replay_times)
         front_s = statistics.median(front_times)
         sync_s, gc_s = statistics.median(sync_times), statistics.median(gc_times)

@@ -19,11 +19,8 @@ no launch outside the graph moves them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +29,7 @@ from loraserve.inference_worker.engine.step_plan import LoRABatchSource
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.kernels import LoRABatch
+from loraserve.serving.gc_tuning import no_collections
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +76,9 @@ class StepGraphs:
     def capture(self, batch_sizes: list[int], token_counts: list[int]) -> None:
         """Decode graphs for `batch_sizes`, graphs of steps with prefill chunks for `token_counts`
         (largest first, so the shared pool is sized by the first)."""
-        with _no_collections():
+        # (a collection could free CUDA objects held in reference cycles, an earlier engine's
+        # graphs say, and freeing a graph while a stream captures breaks the capture)
+        with no_collections():
             self._capture_all(batch_sizes, token_counts)
         log.info(
             "captured CUDA graphs for decode batch sizes %s and for steps with prefill chunks of up to "
@@ -218,17 +218,3 @@ class StepGraphs:
         self._fill("mixed", batch, source, t, mixed_segments(t, self.max_num_seqs))
         self._graph("mixed", t, lora).replay()
         return self._out[("mixed", t, lora)]
-
-
-@contextlib.contextmanager
-def _no_collections() -> Iterator[None]:
-    """No garbage collection inside: one could free CUDA objects held in reference cycles (an
-    earlier engine's graphs, say), and freeing a graph while a stream captures breaks the capture."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

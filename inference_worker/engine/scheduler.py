@@ -58,6 +58,8 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks at once."""
+        if self._forking:
+            self._forking = [s for s in self._forking if s is not seq]
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             seq.status = SequenceStatus.FINISHED

@@ -38,6 +38,19 @@ PYTHON_GEN0_THRESHOLD = 700
 
 
 @contextlib.contextmanager
+def no_collections() -> Iterator[None]:
+    """No garbage collection inside (one first, then none until the end; as it was after)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def python_default_gc() -> Iterator[None]:
     """Python's own collector settings inside (nothing frozen, its default youngest threshold), the
     tuned ones again after: benchmarks compare the two in one process."""

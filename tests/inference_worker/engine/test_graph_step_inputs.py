@@ -1,5 +1,6 @@
 """What a graph step takes from the step before it on the device (cuda_graphs.py): the plan's source
 column names, for each row, the same previous-step row as the eager gather does, and nothing else;
+the graph's own torch ops take those rows and make a decode step's greedy choices;
 the sampler writes into a given token buffer and keeps greedy choices it is told are there, unless
 penalties changed the logits; no garbage collection runs while graphs are captured."""
 
@@ -16,6 +17,7 @@ from loraserve.inference_worker.engine.sampler import Sampler
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import SamplingParams
 from loraserve.inference_worker.engine.step_plan import StepPlan
+from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from tests.helpers.workers import make_engine
 from tests.inference_worker.engine.test_sampler import _seq
 
@@ -106,3 +108,46 @@ def test_no_garbage_collection_while_graphs_are_captured(monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError, match="capture failed"):
         graphs.capture([], [])
     assert seen == [False, False] and gc.isenabled()
+
+
+class _EchoModel:
+    """Hidden state = the row's input id; logits put their maximum at (3 * id + 1) mod V."""
+
+    V = 50
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        return batch.input_ids.float()[:, None]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        best = (3 * hidden[:, 0].long() + 1) % self.V
+        return torch.nn.functional.one_hot(best, self.V).float()
+
+
+def test_a_graph_takes_its_rows_from_the_sampled_tokens_and_makes_the_greedy_choices() -> None:
+    """What each graph computes before and after the model (StepGraphs._forward, plain torch, run
+    here eagerly): rows with a source take that row of the token buffer as input, the others keep
+    their own id; a decode graph writes its logits' argmax into the buffer."""
+    graphs = StepGraphs.__new__(StepGraphs)
+    graphs.model = _EchoModel()  # type: ignore[assignment]
+    graphs.tokens = torch.tensor([11, 12, 13, 14, 15, 16, 17, 18])
+    graphs._source = {
+        "decode": torch.tensor([2, -1, 0, -1, 5, -1]),
+        "mixed": torch.tensor([-1, -1, 4, -1, 1]),
+    }
+    ids = torch.tensor([0, 30, 0, 31, 0, 0])  # (pending rows hold 0; the last row is padding)
+    batch = ForwardBatch(
+        input_ids=ids, positions=ids, slot_mapping=ids, block_tables=ids[:, None], context_lens=ids,
+        logits_indices=torch.tensor([1, 2, 4]), token_slots=ids,
+    )  # fmt: skip
+    logits = graphs._forward("decode", batch)
+    taken = [13, 30, 11, 31, 16, 0]
+    assert logits.argmax(-1).tolist() == [(3 * t + 1) % 50 for t in taken]
+    assert graphs.tokens.tolist() == [(3 * t + 1) % 50 for t in taken] + [17, 18]
+    assert ids.tolist() == [0, 30, 0, 31, 0, 0]  # (the static inputs themselves are not rewritten)
+    # a step with prefill chunks: the sampled rows' hidden states; the buffer is the sampler's
+    graphs.tokens = torch.tensor([11, 12, 13, 14, 15, 16, 17, 18])
+    batch.input_ids = torch.tensor([7, 8, 0, 9, 0])
+    batch.logits_indices = torch.tensor([2, 4])
+    hidden = graphs._forward("mixed", batch)
+    assert hidden[:, 0].tolist() == [15.0, 12.0]
+    assert graphs.tokens.tolist() == [11, 12, 13, 14, 15, 16, 17, 18]

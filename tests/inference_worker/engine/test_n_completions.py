@@ -89,8 +89,9 @@ def test_preemption_of_forked_siblings(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir, num_blocks=9, max_num_batched_tokens=16)
     outs: list[RequestOutput] = []
     seq = engine.make_sequence("p", "", ids, params, outs.append)
+    group = seq.group  # (let go of when the request ends)
     run_request(engine, seq, outs)
-    assert seq.group is not None and sum(s.num_preemptions for s in seq.group.seqs) > 0
+    assert group is not None and sum(s.num_preemptions for s in group.seqs) > 0
     want = [
         generate(
             make_engine(tiny_model_dir), ids, SamplingParams(**{**params.__dict__, "n": 1, "seed": 21 + i})
