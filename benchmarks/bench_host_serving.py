@@ -183,6 +183,7 @@ def main() -> int:
         "gc_collections": activity.gc_collections,
         "gc_ms": activity.gc_ms,
         "gc_over_10ms": activity.gc_long,
+        "mean_sequences_per_step": activity.as_dict()["mean_sequences_per_step"],
     }
     print(json.dumps(row))
     if args.json:
