@@ -1,12 +1,12 @@
 """When the serving benchmark's warm-up goes on (--settle): while the share of requests whose
-adapter came from the store keeps falling and is above the floor."""
+adapter came from the store keeps falling and is above the floor; what a row's line says."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from benchmarks.bench_serving import Bench
-from benchmarks.serving_report import still_warming, store_share
+from benchmarks.serving_report import line_for, still_warming, store_share
 
 
 def test_store_share_is_what_was_not_resident() -> None:
@@ -51,3 +51,20 @@ def test_settling_runs_more_warm_up_while_the_store_share_falls_within_the_time_
     periods, _ = _settle([0.2, 0.1, 0.05], settle=5, max_warmup=12)  # 5 s warm-up + 5 s, no room for more
     assert [p["store_share"] for p in periods] == [0.2]
     assert _settle([0.2], settle=0, max_warmup=60)[0] == []  # off
+
+
+def test_a_row_line_names_the_collections_at_80_percent_load() -> None:
+    lat = {"p50": 9.0, "p99": 40.0}
+    row = {
+        "saturation": {"request_throughput": 250.0, "output_token_throughput": 20000.0},
+        "load_80": {
+            "ttft_ms": lat,
+            "ttft_ms_by_tier": {"gpu": {**lat, "count": 10}},
+            "adapter_activity": {"gc_collections": {"0": 5, "1": 1}, "gc_over_10ms": 3},
+        },
+    }
+    line = line_for(1000, row)
+    assert "N= 1000  saturation 250.00 req/s 20000 tok/s" in line
+    assert "gc at 80% {'0': 5, '1': 1} (3 over 10 ms)" in line
+    row["load_80"]["adapter_activity"] = {"gc_collections": {}, "gc_over_10ms": 0}
+    assert "gc at" not in line_for(1000, row)  # none: nothing said
