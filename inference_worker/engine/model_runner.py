@@ -41,6 +41,21 @@ def _host_tensor(code: str, values: list[int], dtype: torch.dtype) -> torch.Tens
     return torch.frombuffer(array.array(code, values), dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
+_MINUS_ONES = array.array("q", [-1]) * MIXED_GRAPH_TOKENS[-1]
+
+
+def _source_column(first: int, decode_sources: list[int], tail: int) -> torch.Tensor:
+    """A graph step's source column (StepPlan.source): -1 for its `first` rows (prefill tokens),
+    each decode row's source, -1 for the `tail` rows after them (padding); through C arrays."""
+    global _MINUS_ONES
+    if len(_MINUS_ONES) < max(first, tail):
+        _MINUS_ONES = array.array("q", [-1]) * max(first, tail)
+    column = _MINUS_ONES[:first]
+    column.extend(decode_sources)
+    column += _MINUS_ONES[:tail]
+    return torch.frombuffer(column, dtype=torch.int64) if column else torch.empty(0, dtype=torch.int64)
+
+
 def cache_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """The KV cache slots of positions [start, end) of a sequence with block table `table`:
     table[p // block_size] * block_size + p % block_size, a run of consecutive slots per block."""
@@ -214,9 +229,7 @@ class ModelRunner:
             if gather_dst
             else None,
             # a graph step's rows: the graph takes each pending input from the sampled tokens itself
-            source=_host_tensor("q", [-1] * first + d_source + [-1] * (n_tok - end), torch.int64)
-            if pad_to or mixed
-            else None,
+            source=_source_column(first, d_source, n_tok - end) if pad_to or mixed else None,
             mixed=mixed or 0,
         )
         return plan, sample_seqs

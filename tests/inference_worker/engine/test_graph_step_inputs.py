@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loraserve.inference_worker.engine.cuda_graphs import StepGraphs
+from loraserve.inference_worker.engine.model_runner import _source_column
 from loraserve.inference_worker.engine.sampler import Sampler
 from loraserve.inference_worker.engine.scheduler import ScheduledBatch
 from loraserve.inference_worker.engine.sequence import SamplingParams
@@ -151,3 +152,11 @@ def test_a_graph_takes_its_rows_from_the_sampled_tokens_and_makes_the_greedy_cho
     hidden = graphs._forward("mixed", batch)
     assert hidden[:, 0].tolist() == [15.0, 12.0]
     assert graphs.tokens.tolist() == [11, 12, 13, 14, 15, 16, 17, 18]
+
+
+def test_the_source_column_of_any_size() -> None:
+    assert _source_column(3, [5, -1, 0], 2).tolist() == [-1, -1, -1, 5, -1, 0, -1, -1]
+    assert _source_column(0, [], 0).tolist() == []
+    big = _source_column(5000, [7], 3000)  # past the cached run of -1s: it grows
+    assert big.shape == (8001,) and big[5000] == 7 and int((big == -1).sum()) == 8000
+    assert _source_column(2, [1], 1).tolist() == [-1, -1, 1, -1]  # (the grown run is sliced, not shared)
