@@ -7,11 +7,13 @@ it. The load generator (`loraserve bench`'s runner, closed loop) runs in this pr
 core. Reported: the worker's CPU time per streamed token, split into its step thread and the rest
 (the event loop that streams, gRPC's threads), and that of the processes it started (the
 `--stream-process` front), read from /proc, and the client's CPU share (when it nears 1.0 the
-client, not the worker, sets the rate); and the worker's garbage collections (its metrics). The
-worker's processes share the cores the client leaves.
+client, not the worker, sets the rate); and from the worker's metrics its garbage collections and
+how full its steps were. The worker's processes share the cores the client leaves. `--step-ms`
+makes each model call also take that long with the interpreter free, as a GPU step does: the
+pipeline around an engine whose steps take a GPU's time.
 
-    python benchmarks/bench_host_serving.py [--concurrency 64] [--output-len 64] [--duration 8]
-        [--worker-arg=--stream-interval=4 ...] [--json out.json]
+    python benchmarks/bench_host_serving.py [--concurrency 64] [--output-len 64 | LO:HI] [--duration 8]
+        [--step-ms 2.4] [--worker-arg=--stream-interval=4 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,13 +43,21 @@ from loraserve.clients.bench.workload import RequestStream, WorkloadSpec  # noqa
 # the worker's process: the runner answers fixed logits (bench_host_step's); the step thread's
 # native id is written to a file so its CPU time can be told apart from the rest of the process
 CHILD = """
-import sys, threading
+import sys, threading, time
 from pathlib import Path
 from benchmarks.bench_host_step import fixed_logits_run
 from loraserve.inference_worker.engine import engine, model_runner
 from loraserve.inference_worker.server import main
 
-model_runner.ModelRunner.run = fixed_logits_run
+STEP_S = float(sys.argv[2]) / 1e3
+
+def run(runner, plan, prev_tokens=None):
+    out = fixed_logits_run(runner, plan, prev_tokens)
+    if STEP_S:  # a device step: the interpreter is free meanwhile, as while a GPU step runs
+        time.sleep(STEP_S)
+    return out
+
+model_runner.ModelRunner.run = run
 _loop = engine.LLMEngine._loop
 
 def loop(self):
@@ -55,7 +65,7 @@ def loop(self):
     _loop(self)
 
 engine.LLMEngine._loop = loop
-sys.exit(main(sys.argv[2:]))
+sys.exit(main(sys.argv[3:]))
 """
 
 
@@ -89,8 +99,8 @@ async def drive(address: str, args: argparse.Namespace, duration: float) -> tupl
         vocab_size=vocab or 32000,
         adapter_ids=[],
         base_share=1.0,
-        prompt_len=(args.prompt_len, args.prompt_len),
-        output_len=(args.output_len, args.output_len),
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
         rate=None,
         seed=1,
     )
@@ -103,11 +113,19 @@ async def drive(address: str, args: argparse.Namespace, duration: float) -> tupl
     return summarize(result.records, duration_s=result.duration_s), cpu / max(result.duration_s, 1e-9)
 
 
+def length_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=length_range, default=(64, 64), help="N or LO:HI (uniform)")
+    p.add_argument("--prompt-len", type=length_range, default=(32, 32), help="N or LO:HI (uniform)")
+    p.add_argument(
+        "--step-ms", type=float, default=0.0, help="each model call also waits this long (a GPU step's time)"
+    )
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -124,7 +142,7 @@ def main() -> int:
         model = write_tiny_llama(Path(tmp) / "model", TinyLlamaSpec())
         tid_file = Path(tmp) / "step-thread"
         cmd = [
-            sys.executable, "-c", CHILD, str(tid_file),
+            sys.executable, "-c", CHILD, str(tid_file), str(args.step_ms),
             "--model", str(model), "--device", "cpu", "--port", "0", "--log-level", "WARNING",
             "--max-num-seqs", str(args.max_num_seqs), "--max-queue-size", str(4 * args.concurrency),
             "--max-num-batched-tokens", "8192", "--kv-cache-mb", "512", "--metrics-port", "0",
@@ -168,7 +186,8 @@ def main() -> int:
     row = {
         "worker_args": " ".join(args.worker_arg),
         "concurrency": args.concurrency,
-        "output_len": args.output_len,
+        "output_len": list(args.output_len),
+        "step_ms": args.step_ms,
         "requests_per_s": summary["request_throughput"],
         "tokens_per_s": summary["output_token_throughput"],
         "failed": summary["failed"],
