@@ -175,3 +175,33 @@ def test_off_on_cpu_by_default_and_a_step_then_delivers_its_tokens(tiny_model_di
     assert not outs
     forced.step()  # nothing to run: the launched step is read back
     assert outs and outs[-1].finished and outs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_steps_stay_full_while_requests_wait(tiny_model_dir: Path) -> None:
+    """With requests always waiting, every step carries max_num_seqs sequences but for those whose
+    last token is still on the device (ended by length: not stepped again)."""
+    import random
+
+    engine = make_engine(
+        tiny_model_dir, async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=256, max_queue_size=64
+    )
+    rng = random.Random(0)
+    short: list[int] = []  # per step: places left empty, beyond the sequences ending on the device
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        sched = schedule()
+        ending = sum(1 for s in engine.scheduler.running if s.ends_with_pending)
+        short.append(8 - len(sched.prefills) - len(sched.decodes) - ending)
+        return sched
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    for i in range(400):
+        while engine.num_running + engine.num_waiting < 16:
+            prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(4, 20))]
+            params = SamplingParams(max_tokens=rng.randrange(4, 48), ignore_eos=True)
+            engine.submit(
+                engine.make_sequence(f"r{i}-{engine.num_waiting}", "", prompt, params, lambda out: None)
+            )
+        engine.step()
+    assert short[5:] == [0] * len(short[5:])
