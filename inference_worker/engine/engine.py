@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 from tokenizers import Tokenizer
 
-from loraserve.contract.usage import Usage
 from loraserve.inference_worker.engine import kernel_warmup
 from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy, BaseOnlyPolicy, EngineAdapters
 from loraserve.inference_worker.engine.block_manager import BlockManager
@@ -32,7 +31,6 @@ from loraserve.inference_worker.engine.sampler import LaunchedSample, Sampler
 from loraserve.inference_worker.engine.scheduler import Scheduler
 from loraserve.inference_worker.engine.sequence import (
     FinishReason,
-    RequestOutput,
     SamplingParams,
     Sequence,
     SequenceGroup,
@@ -348,35 +346,7 @@ class LLMEngine:
                 continue
             sent = seq.sent_token_count
             if every == 1 or not sent or len(seq.output_token_ids) - sent >= every:
-                self._emit_unsent(seq)
-
-    def _emit_unsent(
-        self,
-        seq: Sequence,
-        finish_reason: FinishReason | None = None,
-        usage: Usage | None = None,
-        error: Exception | None = None,
-    ) -> None:
-        """Deliver the tokens, text and logprobs of `seq` not sent yet; with a `finish_reason`,
-        its last output (the adapter that served it, the request's usage when it is done)."""
-        start, end = seq.sent_token_count, len(seq.output_token_ids)
-        seq.sent_token_count = end
-        final = finish_reason is not None
-        # every sequence, every step: positional arguments, half the cost of keywords (request_id,
-        # token_ids, text, finish_reason, usage, error, adapter_id, adapter_digest, index, logprobs)
-        out = RequestOutput(
-            seq.request_id,
-            seq.output_token_ids[start:end],
-            seq.text_stream.take(final),
-            finish_reason,
-            usage,
-            error,
-            seq.adapter_id if final else "",
-            seq.adapter_digest if final else "",
-            seq.index,
-            seq.output_logprobs[start:end],
-        )
-        self.outputs.emit(seq, out)
+                self.outputs.emit(seq, seq.take_unsent())
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
         if seq.finish_reason is not None:
@@ -389,13 +359,12 @@ class LLMEngine:
         seq.finish_reason = reason
         group = seq.group
         assert group is not None
-        group.num_finished += 1
+        group.finished_one()
         if group.done:
             self._by_request.pop(seq.request_id, None)
-        self._emit_unsent(seq, reason, group.usage(time.monotonic()) if group.done else None, error)
+        self.outputs.emit(
+            seq, seq.take_unsent(reason, group.usage(time.monotonic()) if group.done else None, error)
+        )
         forks, seq.forks = seq.forks, []
         for child in forks:  # ended before its prompt was computed: so do the siblings
             self._finish(child, reason, error)
-        if group.done:  # nothing reads it now: freed by reference counts, not by the collector
-            for s in group.seqs:
-                s.group = None

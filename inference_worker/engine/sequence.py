@@ -175,6 +175,32 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def take_unsent(
+        self,
+        finish_reason: FinishReason | None = None,
+        usage: Usage | None = None,
+        error: Exception | None = None,
+    ) -> RequestOutput:
+        """The tokens, text and logprobs not sent yet, as one output (now counted as sent); with a
+        `finish_reason`, the last one (the adapter that served it, the request's usage when done)."""
+        start, end = self.sent_token_count, len(self.output_token_ids)
+        self.sent_token_count = end
+        final = finish_reason is not None
+        # every sequence, every step: positional arguments, half the cost of keywords (request_id,
+        # token_ids, text, finish_reason, usage, error, adapter_id, adapter_digest, index, logprobs)
+        return RequestOutput(
+            self.request_id,
+            self.output_token_ids[start:end],
+            self.text_stream.take(final),
+            finish_reason,
+            usage,
+            error,
+            self.adapter_id if final else "",
+            self.adapter_digest if final else "",
+            self.index,
+            self.output_logprobs[start:end],
+        )
+
     def usage(self, now: float) -> Usage:
         admitted = self.admitted_time if self.admitted_time is not None else now
         first = self.first_token_time if self.first_token_time is not None else now
@@ -200,6 +226,14 @@ class SequenceGroup:
     @property
     def done(self) -> bool:
         return self.num_finished == len(self.seqs)
+
+    def finished_one(self) -> None:
+        """One completion ended. When the last has, the sequences let go of the group (nothing reads
+        it then): they are freed by reference counts, not left in a cycle for the collector."""
+        self.num_finished += 1
+        if self.done:
+            for s in self.seqs:
+                s.group = None
 
     def usage(self, now: float) -> Usage:
         first, *_ = self.seqs
