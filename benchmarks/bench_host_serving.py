@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from serving_fleet import LISTENING  # noqa: E402
 
-from loraserve.clients.bench import worker_metrics  # noqa: E402
-from loraserve.clients.bench.results import summarize  # noqa: E402
-from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
+from loraserve.clients.bench.cli import length_range  # noqa: E402
+from loraserve.clients.bench.runner import RunLimits, run_benchmark  # noqa: E402
 from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
 from loraserve.clients.bench.workload import RequestStream, WorkloadSpec  # noqa: E402
 
@@ -44,6 +44,7 @@ from loraserve.clients.bench.workload import RequestStream, WorkloadSpec  # noqa
 # native id is written to a file so its CPU time can be told apart from the rest of the process
 CHILD = """
 import sys, threading, time
+from collections.abc import Sequence
 from pathlib import Path
 from benchmarks.bench_host_step import fixed_logits_run
 from loraserve.inference_worker.engine import engine, model_runner
@@ -91,7 +92,10 @@ def children_ticks(pid: int) -> int:
     return total
 
 
-async def drive(address: str, args: argparse.Namespace, duration: float) -> tuple[dict, float]:
+async def drive(
+    address: str, args: argparse.Namespace, duration: float, metrics: Sequence[str] = ()
+) -> tuple[dict, float]:
+    """(the run's summary, with the worker's activity from `metrics`; this process's CPU share)"""
     target = WorkerTarget(address, Sampling())
     await target.start()
     vocab = await target.vocab_size()
@@ -105,17 +109,14 @@ async def drive(address: str, args: argparse.Namespace, duration: float) -> tupl
         seed=1,
     )
     limits = RunLimits(None, duration, concurrency=args.concurrency, open_loop=False)
-    runner = Runner(target, limits, progress_interval_s=None, progress_out=io.StringIO())
     cpu0 = time.process_time()
-    result = await runner.run(RequestStream(spec))
+    got = await run_benchmark(
+        target, RequestStream(spec), limits, metrics_urls=metrics, progress_interval_s=None,
+        progress_out=io.StringIO(),
+    )  # fmt: skip
     cpu = time.process_time() - cpu0
     await target.close()
-    return summarize(result.records, duration_s=result.duration_s), cpu / max(result.duration_s, 1e-9)
-
-
-def length_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
+    return got.summary, cpu / max(float(got.summary["duration_s"]), 1e-9)  # type: ignore[arg-type]
 
 
 def main() -> int:
@@ -167,19 +168,18 @@ def main() -> int:
                      "-f", "raw", "-o", args.profile],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
-            before = worker_metrics.scrape_all([metrics])
             w0, s0, c0 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
             t0 = time.perf_counter()
-            summary, client_share = asyncio.run(drive(address, args, args.duration))
+            summary, client_share = asyncio.run(drive(address, args, args.duration, [metrics]))
             w1, s1, c1 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
             wall = time.perf_counter() - t0
-            activity = worker_metrics.activity(before, worker_metrics.scrape_all([metrics]))
             if spy is not None:
                 spy.wait(60)
         finally:
             proc.terminate()
             proc.wait(30)
     hz = os.sysconf("SC_CLK_TCK")
+    activity: dict = summary["adapter_activity"]  # type: ignore[assignment]
     tokens = int(summary["total_output_tokens"])  # type: ignore[call-overload]
     if not tokens:
         raise RuntimeError(f"no tokens were streamed: {summary}")
@@ -198,11 +198,9 @@ def main() -> int:
         "children_cpu_share": round((c1 - c0) / hz / wall, 3),
         "children_us_per_token": round(1e6 * (c1 - c0) / hz / tokens, 1),
         "client_cpu_share": round(client_share, 3),
-        # the worker's garbage collections in the measured run: by generation, their total ms
-        "gc_collections": activity.gc_collections,
-        "gc_ms": activity.gc_ms,
-        "gc_over_10ms": activity.gc_long,
-        "mean_sequences_per_step": activity.as_dict()["mean_sequences_per_step"],
+        # from the worker's metrics over the measured run: its garbage collections (by generation,
+        # their total ms) and how full its steps were
+        **{k: activity[k] for k in ("gc_collections", "gc_ms", "gc_over_10ms", "mean_sequences_per_step")},
     }
     print(json.dumps(row))
     if args.json:

@@ -124,8 +124,11 @@ class Bench:
             metrics = [*metrics, self.store_metrics]
 
         async def go() -> dict:
-            target = make_target()  # its channels belong to this run's event loop
-            await target.start()
+            # from this process: a target whose channels belong to this run's event loop; from
+            # several, each makes its own
+            target = make_target() if processes == 1 else None
+            if target is not None:
+                await target.start()
             try:
                 got = await run_benchmark(
                     target,
@@ -139,7 +142,8 @@ class Bench:
                     on_start=on_start,
                 )
             finally:
-                await target.close()
+                if target is not None:
+                    await target.close()
             return got.summary
 
         summary = asyncio.run(go())

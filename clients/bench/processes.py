@@ -29,7 +29,6 @@ from loraserve.clients.bench.runner import (
     RunLimits,
     Runner,
     RunResult,
-    check_processes,
 )
 from loraserve.clients.bench.targets import Target
 from loraserve.clients.bench.workload import BenchRequest
@@ -177,8 +176,7 @@ async def run_processes(
     """The run from `processes` processes; `make_target` and `stream` are sent to each (picklable:
     a module-level callable or a functools.partial of one, a RequestStream). `on_start` is called
     when every process's target is ready and the run begins (the processes' start-up, a second or
-    two, is not part of it)."""
-    check_processes(limits, processes)
+    two, is not part of it); run_benchmark has checked the count."""
     ctx = mp.get_context("spawn")  # no fork of a process that holds gRPC's threads
     barrier = ctx.Barrier(processes + 1)
     counters = ctx.Array("q", 4 * processes, lock=False)

@@ -255,7 +255,7 @@ class BenchmarkResult:
 
 
 async def run_benchmark(
-    target: Target,
+    target: Target | None,
     stream: Iterable[BenchRequest],
     limits: RunLimits,
     *,
@@ -269,15 +269,18 @@ async def run_benchmark(
 ) -> BenchmarkResult:
     """Run the stream against a started target, reading the workers' metrics before and after.
     With `processes` > 1 the stream is driven from that many processes (processes.py), each with a
-    target of its own from `make_target` (picklable); `target` is then only the caller's.
+    target of its own from `make_target` (picklable); `target` is then not used (None will do).
     `on_start`: called as the first request may go out."""
     check_processes(limits, processes)
+    if processes > 1 and make_target is None:
+        raise ValueError("several generator processes need a target factory")
+    if processes == 1 and target is None:
+        raise ValueError("a run from this process needs a started target")
     before = await asyncio.to_thread(worker_metrics.scrape_all, metrics_urls) if metrics_urls else None
     if processes > 1:
         from loraserve.clients.bench.processes import run_processes
 
-        if make_target is None:
-            raise ValueError("several generator processes need a target factory")
+        assert make_target is not None
         result = await run_processes(
             make_target,
             stream,
@@ -288,6 +291,7 @@ async def run_benchmark(
             on_start=on_start,
         )
     else:
+        assert target is not None
         if on_start is not None:
             on_start()
         result = await Runner(
