@@ -104,7 +104,7 @@ async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: Preload
     # free slots go in the order wanted (most popular first), whichever fetch lands first: each
     # adapter takes its turn at the slots after the one before it
     turns = [asyncio.Event() for _ in wanted]
-    reserved = 0  # CPU entries taken by this preload's fetches in flight
+    keys: dict[str, str] = {}  # adapter id as given -> the version key it was fetched as
     landed = asyncio.Event()  # the first fetch is in: the CPU tier's room by bytes is known
 
     async def one(i: int, aid: str) -> None:
@@ -123,34 +123,34 @@ async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: Preload
         except Exception as exc:
             report.failed[aid] = str(exc) or type(exc).__name__
             return
+        keys[aid] = key
         (report.gpu if slot is not None else report.cpu).append(aid)
 
     async def fetch(aid: str) -> str | None:
-        nonlocal reserved
+        ref = AdapterRef.parse(aid)
         async with fetches:
-            if reserved and not landed.is_set():  # room by bytes is a guess until one has landed
+            # room by bytes is a guess until one fetch has landed; a fetch registers its flight
+            # before it waits, so the flights are this preload's and any other that holds room
+            if pool.fetcher.flights and not landed.is_set():
                 await landed.wait()
             with pool.lock:
-                held = pool.tiers.residency(aid) is not None
-                # (the flights include this preload's own; any other holds room as well)
-                room = pool.tiers.cpu.room - max(reserved, len(pool.fetcher.flights))
-                if room <= 0 and not held:
+                known = pool.versions.resolve(ref)
+                held = known is not None and pool.tiers.holds(known)
+                if pool.tiers.cpu.room - len(pool.fetcher.flights) <= 0 and not held:
                     report.skipped.append(aid)
                     return None
-                reserved += 1
             try:
-                return await pool.ensure_cpu(AdapterRef.parse(aid))
+                return await pool.ensure_cpu(ref)
             except Exception as exc:  # whatever fails one adapter fails only its preload
                 report.failed[aid] = str(exc) or type(exc).__name__
                 return None
             finally:
-                reserved -= 1
                 landed.set()
 
     await asyncio.gather(*(one(i, aid) for i, aid in enumerate(wanted)))
     # room by bytes is an estimate: what a later fetch displaced is reported as not kept
-    for tier in (report.gpu, report.cpu):
-        for aid in list(tier):
-            if pool.tiers.residency(aid) is None:
-                tier.remove(aid)
-                report.skipped.append(aid)
+    with pool.lock:
+        gone = {aid for aid, key in keys.items() if not pool.tiers.holds(key)}
+    report.gpu = [aid for aid in report.gpu if aid not in gone]
+    report.cpu = [aid for aid in report.cpu if aid not in gone]
+    report.skipped += sorted(gone)
