@@ -106,9 +106,9 @@ class StepGraphs:
         self.decode = dict(sorted(self.decode.items()))
         self.mixed = dict(sorted(self.mixed.items()))
 
-    def holds(self, tokens: torch.Tensor) -> bool:
+    def holds(self, tokens: torch.Tensor | None) -> bool:
         """Whether `tokens` (a step's sampled tokens) are the start of the static buffer."""
-        return self.tokens is not None and tokens.data_ptr() == self.tokens.data_ptr()
+        return tokens is not None and self.tokens is not None and tokens.data_ptr() == self.tokens.data_ptr()
 
     def _forward(self, kind: str, batch: ForwardBatch) -> torch.Tensor:
         assert self.tokens is not None

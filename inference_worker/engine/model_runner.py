@@ -41,18 +41,12 @@ def _host_tensor(code: str, values: list[int], dtype: torch.dtype) -> torch.Tens
     return torch.frombuffer(array.array(code, values), dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
-_MINUS_ONES = array.array("q", [-1]) * MIXED_GRAPH_TOKENS[-1]
-
-
 def _source_column(first: int, decode_sources: list[int], tail: int) -> torch.Tensor:
     """A graph step's source column (StepPlan.source): -1 for its `first` rows (prefill tokens),
     each decode row's source, -1 for the `tail` rows after them (padding); through C arrays."""
-    global _MINUS_ONES
-    if len(_MINUS_ONES) < max(first, tail):
-        _MINUS_ONES = array.array("q", [-1]) * max(first, tail)
-    column = _MINUS_ONES[:first]
+    column = array.array("q", [-1]) * first
     column.extend(decode_sources)
-    column += _MINUS_ONES[:tail]
+    column += array.array("q", [-1]) * tail
     return torch.frombuffer(column, dtype=torch.int64) if column else torch.empty(0, dtype=torch.int64)
 
 
@@ -116,7 +110,6 @@ class ModelRunner:
         # captured once, by capture_graphs() when the engine starts; until then steps run eagerly
         self._want_graphs = use_cuda_graphs and self.device.type == "cuda"
         self._argmax_of: torch.Tensor | None = None  # the last decode graph's logits (token_buffer)
-        self.num_eager_gathers = 0  # steps whose pending inputs were moved outside a graph
 
     # ----------------------------------------------------------------------------- batch building
     def plan(
@@ -225,10 +218,11 @@ class ModelRunner:
             query_start=query_start,
             context_lens_cpu=ctx_lens[: len(query_start) - 1],
             seq_slots=seq_slots,
+            pending=bool(gather_dst),
+            # an eager step gathers its pending inputs; a graph step's graph takes them itself
             gather=_host_tensor("q", gather_dst + gather_src, torch.int64).view(2, -1)
-            if gather_dst
+            if gather_dst and not (pad_to or mixed)
             else None,
-            # a graph step's rows: the graph takes each pending input from the sampled tokens itself
             source=_source_column(first, d_source, n_tok - end) if pad_to or mixed else None,
             mixed=mixed or 0,
         )
@@ -290,18 +284,16 @@ class ModelRunner:
     def run(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One model call on a planned batch: a graph replay for a padded decode batch, else eager;
         -> logits [plan.num_sampled, V] float32."""
-        if plan.gather is not None and prev_tokens is None:
+        if plan.pending and prev_tokens is None:
             raise ValueError("the step reads tokens of a previous step that were not given")
+        if plan.pending and plan.source is not None and not self._graphs.holds(prev_tokens):
+            # (the scheduler keeps a step's rows within max_num_seqs, the buffer's size)
+            raise RuntimeError("a graph step's pending tokens are not in the graphs' token buffer")
         batch, g, source = self._to_device(plan)
         self._argmax_of = None
-        if g is not None:
+        if g is not None:  # an eager step: its pending inputs from the previous step's tokens
             assert prev_tokens is not None
-            if source is None or not self._graphs.holds(prev_tokens):
-                # an eager step, or tokens sampled outside the graphs' buffer (more rows than it has)
-                batch.input_ids[g[0]] = prev_tokens[g[1]]
-                self.num_eager_gathers += 1
-                if source is not None:
-                    source.fill_(-1)
+            batch.input_ids[g[0]] = prev_tokens[g[1]]
         lora = self.adapters is not None and any(s >= 0 for s in batch.seq_slots)
         # graphs captured with the LoRA path prepare the LoRA batch from token_slots themselves;
         # steps without adapter rows replay graphs without it
@@ -320,7 +312,7 @@ class ModelRunner:
 
     def token_buffer(self, logits: torch.Tensor, n: int) -> tuple[torch.Tensor | None, bool]:
         """Where a step's n sampled tokens go on the device: the graphs' buffer, from which the next
-        step's graph takes its pending inputs (None: off the graphs, or more rows than it has); and
+        step's graph takes its pending inputs (None: off the graphs, or more rows than it holds); and
         whether it holds the greedy choices of `logits` already (a decode graph computed them)."""
         buf = self._graphs.tokens
         if buf is None or n > buf.numel():

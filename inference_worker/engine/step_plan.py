@@ -40,11 +40,12 @@ class StepPlan:
     query_start: list[int]  # [S + 1] host ints, real sequences only
     context_lens_cpu: list[int]  # [S]
     seq_slots: list[int]  # [S] LoRA slot per sequence (-1 base)
-    # [2, G] int64 (rows of input_ids, rows of the previous step's sampled tokens): decode inputs
-    # still on the device when the step was planned (asynchronous scheduling); None when none
+    # decode inputs still on the device when the step was planned (asynchronous scheduling): an
+    # eager step's [2, G] int64 `gather` (rows of input_ids, rows of the previous step's sampled
+    # tokens); a graph step's [num_tokens] int64 `source` (None: eager), per row the row of the
+    # previous step's sampled tokens it takes as input or -1 (its own id), which the graph applies
+    pending: bool = False
     gather: torch.Tensor | None = None
-    # [num_tokens] int64, a graph step's (None: eager): per row, the row of the previous step's
-    # sampled tokens it takes as input, or -1 (its own id); the graph applies it (cuda_graphs.py)
     source: torch.Tensor | None = None
     mixed: int = 0  # the token count of the graph of steps with prefill chunks (0: none)
 

@@ -90,7 +90,7 @@ class LeaderRunner(ModelRunner):
             raise self.followers.failure_after(exc) from exc
 
     def run(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        if plan.gather is not None:  # the other ranks get the inputs from the plan alone
+        if plan.pending:  # the other ranks get the inputs from the plan alone
             raise ValueError("a tensor-parallel step cannot read tokens still on the device")
         with self._group():
             self._send_slot_changes()

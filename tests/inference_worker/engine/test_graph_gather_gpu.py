@@ -2,8 +2,7 @@
 keeps the greedy choices a decode graph made: the same tokens, text, endings and logprobs as the
 synchronous eager engine, over a workload with chunked prefill, preemption, stop strings,
 penalties, sampled rows and n > 1 (tests/inference_worker/engine/test_async_scheduling.py's), with
-no step moving them outside a graph. With the buffer refused (as for a step of more rows than it
-holds), the eager gather gives the same."""
+no graph step gathering them outside its graph."""
 
 from __future__ import annotations
 
@@ -32,18 +31,17 @@ def tok(tiny_model_dir: Path):
 
 
 def graph_engine(model_dir: Path, moved: dict[str, int], **sizes) -> LLMEngine:
-    """An asynchronous engine with graphs; `moved` counts the steps with pending rows, and those rows
-    of its graph steps by kind (taken inside the graph unless the runner gathers them eagerly)."""
+    """An asynchronous engine with graphs; `moved` counts its graph steps' pending rows by kind
+    (taken inside the graph: such a step carries no gather for outside it)."""
     engine = make_engine(model_dir, "cuda", async_scheduling=True, use_cuda_graphs=True, **sizes)
     engine.runner.capture_graphs()
     assert engine.runner.graphs and engine.runner.mixed_graphs
     runner_run = engine.runner.run
 
     def counting(plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        if plan.gather is not None:
-            moved["steps"] += 1
-            if plan.source is not None:
-                moved["mixed" if plan.mixed else "decode"] += plan.gather.shape[1]
+        if plan.source is not None:
+            assert plan.gather is None
+            moved["mixed" if plan.mixed else "decode"] += int((plan.source >= 0).sum())
         return runner_run(plan, prev_tokens)
 
     engine.runner.run = counting  # type: ignore[method-assign]
@@ -55,25 +53,12 @@ def test_graph_steps_take_pending_tokens_in_the_graph(tiny_model_dir: Path, tok,
     reqs = workload(tiny_model_dir, tok)
     eager = make_engine(tiny_model_dir, "cuda", async_scheduling=False, use_cuda_graphs=False, **sizes)
     want = run(eager, reqs)
-    moved = {"steps": 0, "decode": 0, "mixed": 0}
+    moved = {"decode": 0, "mixed": 0}
     engine = graph_engine(tiny_model_dir, moved, **sizes)
     free = engine.num_free_blocks
     got = run(engine, reqs)
     for w, g in zip(want, got, strict=True):
         assert summary(g) == summary(w)
         assert logprob_values(g) == pytest.approx(logprob_values(w), rel=1e-4, abs=1e-5)
-    assert engine.runner.num_eager_gathers == 0
     assert moved["decode"] > 50 and moved["mixed"] > 0
     assert engine.idle and engine.num_free_blocks == free
-
-
-def test_tokens_outside_the_buffer_are_gathered_eagerly(tiny_model_dir: Path, tok) -> None:
-    reqs = workload(tiny_model_dir, tok)
-    want = run(make_engine(tiny_model_dir, "cuda", async_scheduling=False, use_cuda_graphs=False), reqs)
-    moved = {"steps": 0, "decode": 0, "mixed": 0}
-    engine = graph_engine(tiny_model_dir, moved)
-    engine.runner.token_buffer = lambda logits, n: (None, False)  # type: ignore[method-assign]
-    got = run(engine, reqs)
-    for w, g in zip(want, got, strict=True):
-        assert summary(g) == summary(w)
-    assert engine.runner.num_eager_gathers == moved["steps"] > 20 and moved["decode"] > 0

@@ -23,14 +23,16 @@ from tests.helpers.workers import make_engine
 from tests.inference_worker.engine.test_sampler import _seq
 
 
-def _check_source(plan: StepPlan) -> int:
-    """The graph step's column agrees with the eager gather rows; -> the rows it moves."""
-    assert plan.source is not None and plan.source.shape == (plan.num_tokens,)
-    want = [-1] * plan.num_tokens
-    if plan.gather is not None:
-        for dst, src in plan.gather.T.tolist():
+def _check_source(graph: StepPlan, eager: StepPlan) -> int:
+    """The graph step's column names the rows the eager step gathers, and only those (it gathers
+    nothing itself); -> the rows it moves."""
+    assert graph.source is not None and graph.source.shape == (graph.num_tokens,)
+    assert graph.gather is None and graph.pending == eager.pending
+    want = [-1] * graph.num_tokens
+    if eager.gather is not None:
+        for dst, src in eager.gather.T.tolist():
             want[dst] = src
-    assert plan.source.tolist() == want
+    assert graph.source.tolist() == want
     return sum(1 for s in want if s >= 0)
 
 
@@ -44,12 +46,14 @@ def test_the_source_column_matches_the_gather_in_padded_and_mixed_steps(tiny_mod
 
     def recording(sched: ScheduledBatch, pad_to: int | None, mixed: int | None = None):
         got = plan(sched, pad_to, mixed)
-        assert got[0].source is None  # (CPU: no graphs, an eager step)
+        eager = got[0]
+        assert eager.source is None  # (CPU: no graphs, an eager step)
+        assert eager.pending == (eager.gather is not None)
         if sched.prefills:
             tokens = len(sched.decodes) + sum(n for _, n in sched.prefills)
-            moved["mixed"] += _check_source(plan(sched, None, mixed=tokens + 3)[0])
+            moved["mixed"] += _check_source(plan(sched, None, mixed=tokens + 3)[0], eager)
         else:
-            moved["decode"] += _check_source(plan(sched, len(sched.decodes) + 2)[0])
+            moved["decode"] += _check_source(plan(sched, len(sched.decodes) + 2)[0], eager)
         return got
 
     runner.plan = recording  # type: ignore[method-assign]
@@ -157,6 +161,5 @@ def test_a_graph_takes_its_rows_from_the_sampled_tokens_and_makes_the_greedy_cho
 def test_the_source_column_of_any_size() -> None:
     assert _source_column(3, [5, -1, 0], 2).tolist() == [-1, -1, -1, 5, -1, 0, -1, -1]
     assert _source_column(0, [], 0).tolist() == []
-    big = _source_column(5000, [7], 3000)  # past the cached run of -1s: it grows
+    big = _source_column(5000, [7], 3000)
     assert big.shape == (8001,) and big[5000] == 7 and int((big == -1).sum()) == 8000
-    assert _source_column(2, [1], 1).tolist() == [-1, -1, 1, -1]  # (the grown run is sliced, not shared)
