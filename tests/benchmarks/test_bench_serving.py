@@ -37,7 +37,8 @@ def test_serving_benchmark_smoke(tmp_path, redis_url, redis_prefix):
         assert set(tiers) <= {"gpu", "cpu", "store"} and sum(t["count"] for t in tiers.values()) > 0
         assert row["saturation"]["adapter_activity"]["loads"]  # read from the worker's metrics
         assert row["saturation"]["generator"]["processes"] == 2  # the sweep's default
-        assert isinstance(row["settle"], list)  # (when settling goes on: test_serving_report.py)
+        # each settle period its store share and throughput (when they run: test_serving_report.py)
+        assert all(set(period) == {"store_share", "request_throughput"} for period in row["settle"])
     # more adapters than slots and CPU entries: some requests found theirs only at the store
     assert "store" in got["n"]["12"]["saturation"]["ttft_ms_by_tier"]
     assert got["throughput_ratio"]["ratio"] > 0
