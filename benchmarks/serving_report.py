@@ -49,8 +49,18 @@ def line_for(n: int, row: dict) -> str:
         fetches += f"  generator busy {gen['busy_share']:.0%}, late p99 {gen['lag_ms']['p99']} ms{flag}"
     if activity.get("gc_collections"):
         fetches += f"  gc at 80% {activity['gc_collections']} ({activity['gc_over_10ms']} over 10 ms)"
-    step = (sat.get("adapter_activity") or {}).get("step_ms")
+    sat_activity = sat.get("adapter_activity") or {}
+    step = sat_activity.get("step_ms")
     steps = f" {step} ms a step" if step is not None else ""
+    if sat_activity.get("mean_sequences_per_step") is not None:
+        steps += f" ({sat_activity['mean_sequences_per_step']} sequences"
+        admissions = sat_activity.get("step_admissions") or {}
+        total = sum(admissions.values())
+        if total:
+            steps += ", admission ended by " + ", ".join(
+                f"{k} {v / total:.0%}" for k, v in sorted(admissions.items(), key=lambda kv: -kv[1])
+            )
+        steps += ")"
     return (
         f"N={n:5d}  saturation {sat['request_throughput']:.2f} req/s {sat['output_token_throughput']:.0f} tok/s{steps}"
         f"  @80% TTFT p50 {l80['ttft_ms']['p50']} p99 {l80['ttft_ms']['p99']} ms  by tier: {by_tier}{fetches}"

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from loraserve.inference_worker.adapters.usage_metrics import AdapterUsageMetrics
+from loraserve.inference_worker.engine.scheduler import ADMISSION_OUTCOMES
 from loraserve.serving.gc_tuning import GCPauses
 
 if TYPE_CHECKING:
@@ -72,6 +73,15 @@ class WorkerMetrics:
             registry=r,
         )
         self._step_kinds = {k: self.step_seconds.labels(k) for k in ("prefill", "decode")}
+        # a step below max_num_seqs with requests waiting says here what held them back
+        admissions = Counter(
+            "loraserve_worker_step_admissions",
+            "Engine steps by what ended their admission pass: queue_empty (nothing left to admit), "
+            "max_num_seqs, token_budget, kv_memory, adapter_wait (adapters not resident yet), preempted",
+            ["outcome"],
+            registry=r,
+        )
+        self._admissions = {o: admissions.labels(o) for o in ADMISSION_OUTCOMES}
         # the process's garbage collections: none of its threads runs Python while one does
         self.gc_pause = Histogram(
             "loraserve_worker_gc_pause_seconds",
@@ -113,8 +123,9 @@ class WorkerMetrics:
             self.ttft.observe(usage.time_to_first_token_ms / 1e3)
         self.queue_time.observe(usage.queue_time_ms / 1e3)
 
-    def observe_step(self, kind: str, seconds: float, sequences: int, tokens: int) -> None:
+    def observe_step(self, kind: str, seconds: float, sequences: int, tokens: int, admission: str) -> None:
         self._step_kinds[kind].observe(seconds)
+        self._admissions[admission].inc()
         self.step_sequences.observe(sequences)
         self.step_tokens.observe(tokens)
 

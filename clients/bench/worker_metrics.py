@@ -18,6 +18,7 @@ LOOKUPS = "loraserve_worker_adapter_lookups_total"
 GENERATED = "loraserve_worker_generated_tokens_total"
 STEP_SEQUENCES = "loraserve_worker_step_sequences"  # histogram: _count, _sum
 STEP_SECONDS = "loraserve_worker_step_seconds"  # histogram by kind: _count, _sum
+STEP_ADMISSIONS = "loraserve_worker_step_admissions_total"  # steps by what ended their admission
 DEVICE_WAIT = "loraserve_worker_device_wait_seconds_total"
 STEP_DEVICE_SECONDS = "loraserve_worker_step_device_seconds"  # histogram of one step in 16
 LOAD_SECONDS = "loraserve_worker_adapter_load_seconds"  # histogram by tier: _count, _sum
@@ -83,6 +84,9 @@ class AdapterActivity:
     gc_collections: dict[str, int] = field(default_factory=dict)  # by generation
     gc_ms: dict[str, float] = field(default_factory=dict)  # their total duration, by generation
     gc_long: int = 0  # collections over 10 ms (no thread of the worker ran Python meanwhile)
+    # steps by what ended their admission pass (queue_empty, max_num_seqs, adapter_wait, ...): with
+    # batches below max_num_seqs, whether requests waited in the engine or were elsewhere
+    step_admissions: dict[str, int] = field(default_factory=dict)
 
     @property
     def store_fetches(self) -> int:
@@ -106,6 +110,7 @@ class AdapterActivity:
             "gc_collections": self.gc_collections,
             "gc_ms": self.gc_ms,
             "gc_over_10ms": self.gc_long,
+            "step_admissions": self.step_admissions,
         }
 
 
@@ -184,4 +189,9 @@ def activity(
         gc_collections={g: n for g, n in gc_n.items() if n},
         gc_ms={g: round(1e3 * v, 2) for g, v in gc_s.items() if gc_n.get(g)},
         gc_long=sum(gc_n.values()) - gc_short.get(LONG_GC_PAUSE, 0),
+        step_admissions={
+            k: n
+            for k, n in _sum([_by_label(b, a, STEP_ADMISSIONS, "outcome") for b, a in pairs]).items()
+            if n
+        },
     )

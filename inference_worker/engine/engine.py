@@ -94,8 +94,9 @@ class LLMEngine:
         self.num_prefill_tokens = 0  # tokens run through prefill (an n > 1 prompt counts once)
         self.outputs = OutputQueue()
         # called after every step that ran the model (the worker's metrics): step_observer(kind,
-        # seconds, sequences, tokens) with kind "prefill" (a prefill chunk in the step) or "decode"
-        self.step_observer: Callable[[str, float, int, int], None] | None = None
+        # seconds, sequences, tokens, admission) with kind "prefill" (a prefill chunk in the step)
+        # or "decode", admission what ended the step's admission pass (scheduler.ADMISSION_OUTCOMES)
+        self.step_observer: Callable[[str, float, int, int, str], None] | None = None
         self._text_pending: list[Sequence] = []  # sampled last step, text not yet processed
         cfg_async = config.async_scheduling
         on_cuda = self.runner.device.type == "cuda"
@@ -303,9 +304,8 @@ class LLMEngine:
         if self.step_observer is not None:
             tokens = sum(n for _, n in sched.prefills) + len(sched.decodes)
             kind = "prefill" if sched.prefills else "decode"
-            self.step_observer(
-                kind, time.perf_counter() - t0, len(sched.prefills) + len(sched.decodes), tokens
-            )
+            rows = len(sched.prefills) + len(sched.decodes)
+            self.step_observer(kind, time.perf_counter() - t0, rows, tokens, sched.admission)
         return True
 
     def _complete(self, launched: LaunchedSample) -> None:

@@ -24,12 +24,18 @@ from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy
 from loraserve.inference_worker.engine.block_manager import BlockManager
 from loraserve.inference_worker.engine.sequence import Sequence, SequenceStatus
 
+# queue_empty: every waiting sequence was admitted (or none waited); the others name what stopped it
+ADMISSION_OUTCOMES = ("queue_empty", "max_num_seqs", "token_budget", "kv_memory", "adapter_wait", "preempted")
+
 
 @dataclass
 class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     decodes: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # admission failed for good (seq.error)
+    # what ended the admission pass (one of ADMISSION_OUTCOMES): why a step with requests waiting
+    # carried fewer than max_num_seqs sequences, when it did
+    admission: str = "queue_empty"
 
     @property
     def empty(self) -> bool:
@@ -126,11 +132,17 @@ class Scheduler:
             budget -= n
             self._place(out, seq, n, todo)
         if self._preempted:
+            out.admission = "preempted"
             return out
         held = self._held_for_siblings() if self.waiting else 0
+        declined = False
         for seq in list(self.waiting):
             # an n > 1 request is admitted with room for its siblings, which fork from it
-            if len(self.running) + held + 1 + len(seq.forks) > self.max_num_seqs or budget <= 0:
+            if len(self.running) + held + 1 + len(seq.forks) > self.max_num_seqs:
+                out.admission = "max_num_seqs"
+                break
+            if budget <= 0:
+                out.admission = "token_budget"
                 break
             if seq.num_pending:  # its last token is still on the device: its prompt waits for it
                 continue
@@ -140,10 +152,13 @@ class Scheduler:
             # memory is first come, first served; room for the siblings' partial blocks is waited
             # for only while others run (when they cannot fork they compute their prompt later)
             if needed > free or (self.running and needed + len(seq.forks) > free):
+                out.admission = "kv_memory"
                 break
             if not self.policy.can_admit(seq):
                 if seq.error is not None:
                     out.failed.append(seq)
+                else:
+                    declined = True
                 continue
             self.waiting.remove(seq)
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
@@ -156,6 +171,9 @@ class Scheduler:
                 held += len(seq.forks)
             budget -= n
             self._place(out, seq, n, seq.num_uncomputed_tokens)
+        else:
+            if declined:
+                out.admission = "adapter_wait"
         return out
 
     def _held_for_siblings(self) -> int:

@@ -68,3 +68,12 @@ def test_a_row_line_names_the_collections_at_80_percent_load() -> None:
     assert "gc at 80% {'0': 5, '1': 1} (3 over 10 ms)" in line
     row["load_80"]["adapter_activity"] = {"gc_collections": {}, "gc_over_10ms": 0}
     assert "gc at" not in line_for(1000, row)  # none: nothing said
+    assert "sequences" not in line_for(1000, row)
+    row["saturation"]["adapter_activity"] = {
+        "step_ms": 2.5,
+        "mean_sequences_per_step": 54.2,
+        "step_admissions": {"max_num_seqs": 300, "queue_empty": 700},
+    }
+    assert "2.5 ms a step (54.2 sequences, admission ended by queue_empty 70%, max_num_seqs 30%)" in line_for(
+        1000, row
+    )

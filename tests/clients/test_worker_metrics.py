@@ -100,3 +100,25 @@ def test_garbage_collections_by_generation_and_the_long_ones() -> None:
         gc.enable()
         a.close()
         b.close()
+
+
+def test_steps_by_what_ended_their_admission() -> None:
+    engine = SimpleNamespace(
+        num_waiting=0,
+        num_running=0,
+        num_free_blocks=0,
+        step_observer=None,
+        timing=SimpleNamespace(observer=None),
+    )
+    m = WorkerMetrics(engine)  # type: ignore[arg-type]
+    try:
+        observe = engine.step_observer
+        observe("decode", 0.002, 64, 64, "max_num_seqs")
+        before = _scrape(m)
+        for admission in ("max_num_seqs", "queue_empty", "queue_empty", "adapter_wait"):
+            observe("prefill", 0.003, 60, 300, admission)
+        act = worker_metrics.activity(before, _scrape(m))
+        assert act.step_admissions == {"adapter_wait": 1, "max_num_seqs": 1, "queue_empty": 2}
+        assert act.steps == 4 and act.as_dict()["step_admissions"] == act.step_admissions
+    finally:
+        m.close()

@@ -187,10 +187,12 @@ def test_steps_stay_full_while_requests_wait(tiny_model_dir: Path) -> None:
     )
     rng = random.Random(0)
     short: list[int] = []  # per step: places left empty, beyond the sequences ending on the device
+    outcomes: list[str] = []  # what ended each step's admission
     schedule = engine.scheduler.schedule
 
     def recording():
         sched = schedule()
+        outcomes.append(sched.admission)
         ending = sum(1 for s in engine.scheduler.running if s.ends_with_pending)
         short.append(8 - len(sched.prefills) - len(sched.decodes) - ending)
         return sched
@@ -205,3 +207,4 @@ def test_steps_stay_full_while_requests_wait(tiny_model_dir: Path) -> None:
             )
         engine.step()
     assert short[5:] == [0] * len(short[5:])
+    assert set(outcomes[5:]) == {"max_num_seqs"}  # and the worker's metrics say why
