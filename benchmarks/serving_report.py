@@ -61,6 +61,11 @@ def line_for(n: int, row: dict) -> str:
                 f"{k} {v / total:.0%}" for k, v in sorted(admissions.items(), key=lambda kv: -kv[1])
             )
         steps += ")"
+    if sat.get("outside_engine_ms"):
+        steps += (
+            f", outside the engine {sat['outside_engine_ms']['mean']} ms a request"
+            f" ({sat['mean_requests_outside_engine']} requests on average)"
+        )
     return (
         f"N={n:5d}  saturation {sat['request_throughput']:.2f} req/s {sat['output_token_throughput']:.0f} tok/s{steps}"
         f"  @80% TTFT p50 {l80['ttft_ms']['p50']} p99 {l80['ttft_ms']['p99']} ms  by tier: {by_tier}{fetches}"

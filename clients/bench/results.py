@@ -32,6 +32,7 @@ class RequestRecord:
     error: str = ""
     worker: str = ""
     adapter_tier: str = ""  # gpu, cpu or store when the worker says; "" otherwise
+    engine_s: float | None = None  # the worker's engine's own time for it, when the worker says
 
     @property
     def ok(self) -> bool:
@@ -119,6 +120,12 @@ def summarize(
             v = [x for r in ok if r.adapter_tier == tier and (x := r.ttft_s) is not None]
             by_tier[tier] = {"count": len(v), **latency_ms(v)}
         summary["ttft_ms_by_tier"] = by_tier
+    outside = [r.e2e_s - r.engine_s for r in ok if r.engine_s is not None]
+    if outside:
+        # the way in (client, worker front, to the engine) and out (the end back to the client): in
+        # a closed loop, throughput x its mean requests are on their way and not at the engine
+        summary["outside_engine_ms"] = latency_ms(outside)
+        summary["mean_requests_outside_engine"] = round(len(ok) / span * statistics.fmean(outside), 2)
     workers = Counter(r.worker for r in ok if r.worker)
     if len(workers) > 1:
         summary["requests_by_worker"] = dict(sorted(workers.items()))

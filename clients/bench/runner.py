@@ -150,6 +150,8 @@ class Runner:
                     rec.prompt_tokens = chunk.prompt_tokens
                 rec.worker = chunk.worker or rec.worker
                 rec.adapter_tier = chunk.adapter_tier or rec.adapter_tier
+                if chunk.engine_ms is not None:
+                    rec.engine_s = chunk.engine_ms / 1e3
         except TargetError as exc:
             rec.status, rec.error = exc.status, exc.message
         except Exception as exc:  # a run reports every failure, it never dies of one

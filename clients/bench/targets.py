@@ -23,6 +23,7 @@ class Chunk:
     completion_tokens: int | None = None
     worker: str = ""  # which worker served it (router target)
     adapter_tier: str = ""  # where the worker found the adapter: gpu, cpu, store ("" unknown)
+    engine_ms: float | None = None  # the worker's own time for the request (its engine's arrival to end)
 
 
 class TargetError(Exception):
@@ -72,6 +73,7 @@ def _chunk(delta: Delta, worker: str) -> Chunk:
         u.completion_tokens,
         worker,
         u.adapter_tier,
+        u.total_time_ms or None,
     )
 
 

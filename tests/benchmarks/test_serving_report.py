@@ -77,3 +77,10 @@ def test_a_row_line_names_the_collections_at_80_percent_load() -> None:
     assert "2.5 ms a step (54.2 sequences, admission ended by queue_empty 70%, max_num_seqs 30%)" in line_for(
         1000, row
     )
+    row["saturation"] |= {
+        "outside_engine_ms": {"p50": 30.0, "mean": 40.5},
+        "mean_requests_outside_engine": 10.1,
+    }
+    assert "max_num_seqs 30%), outside the engine 40.5 ms a request (10.1 requests on average)" in line_for(
+        1000, row
+    )

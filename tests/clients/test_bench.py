@@ -120,6 +120,10 @@ def test_run_against_a_worker_reports_counts_latencies_and_tier_activity(served,
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
     assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
     assert s["slo"] == {"ttft_ms": 60000.0, "met": n, "attainment": 1.0}
+    # the worker's own time for each request is inside what the client measured
+    assert all(0 < r["engine_s"] <= r["end_s"] - r["sent_s"] for r in doc["requests"])
+    assert 0 < s["outside_engine_ms"]["p50"] <= s["outside_engine_ms"]["p99"] < s["e2e_ms"]["p99"]
+    assert s["mean_requests_outside_engine"] > 0
     # adapter activity is the worker's own counters' movement during the run
     act = s["adapter_activity"]
     assert act["loads"].get("cpu", 0) == after[0] - before[0]
@@ -252,6 +256,14 @@ def test_summary_arithmetic_on_known_records() -> None:
     assert min(r.tpot_s for r in recs[:10]) == pytest.approx(0.0)  # request 9: first token at its end
     assert recs[0].tpot_s == pytest.approx(0.1)
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    assert "outside_engine_ms" not in s  # no worker said what its engine took
+    for r in recs[:10]:
+        r.engine_s = 0.75  # each request spent 1 s end to end, 0.25 s of it outside the engine
+    s = summarize(recs, duration_s=11.0)
+    assert s["outside_engine_ms"]["p50"] == pytest.approx(250.0) and s["outside_engine_ms"][
+        "p99"
+    ] == pytest.approx(250.0)
+    assert s["mean_requests_outside_engine"] == round(10 / 11 * 0.25, 2)  # Little's law
 
 
 class _CountingTarget:
