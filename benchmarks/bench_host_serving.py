@@ -10,10 +10,12 @@ core. Reported: the worker's CPU time per streamed token, split into its step th
 client, not the worker, sets the rate); and from the worker's metrics its garbage collections and
 how full its steps were. The worker's processes share the cores the client leaves. `--step-ms`
 makes each model call also take that long with the interpreter free, as a GPU step does: the
-pipeline around an engine whose steps take a GPU's time.
+pipeline around an engine whose steps take a GPU's time. `--hold-ms` makes each model call first
+run Python for that long on the step thread, as a GPU worker's launches do: an interpreter that the
+step thread keeps busy, with the event loop getting what is left.
 
     python benchmarks/bench_host_serving.py [--concurrency 64] [--output-len 64 | LO:HI] [--duration 8]
-        [--step-ms 2.4] [--worker-arg=--stream-interval=4 ...] [--json out.json]
+        [--step-ms 2.4] [--hold-ms 1.5] [--worker-arg=--stream-interval=4 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -50,10 +52,14 @@ from benchmarks.bench_host_step import fixed_logits_run
 from loraserve.inference_worker.engine import engine, model_runner
 from loraserve.inference_worker.server import main
 
-STEP_S = float(sys.argv[2]) / 1e3
+STEP_S, HOLD_S = (float(ms) / 1e3 for ms in sys.argv[2].split(","))
 
 def run(runner, plan, prev_tokens=None):
     out = fixed_logits_run(runner, plan, prev_tokens)
+    if HOLD_S:  # the host work of a GPU step's launches: Python on the step thread
+        end = time.perf_counter() + HOLD_S
+        while time.perf_counter() < end:
+            pass
     if STEP_S:  # a device step: the interpreter is free meanwhile, as while a GPU step runs
         time.sleep(STEP_S)
     return out
@@ -127,6 +133,14 @@ def main() -> int:
     p.add_argument(
         "--step-ms", type=float, default=0.0, help="each model call also waits this long (a GPU step's time)"
     )
+    p.add_argument(
+        "--hold-ms", type=float, default=0.0, help="each model call also runs Python this long (host work)"
+    )
+    p.add_argument(
+        "--worker-alone",
+        action="store_true",
+        help="the worker's own process alone on its cores, the processes it started on the client's",
+    )
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -143,7 +157,7 @@ def main() -> int:
         model = write_tiny_llama(Path(tmp) / "model", TinyLlamaSpec())
         tid_file = Path(tmp) / "step-thread"
         cmd = [
-            sys.executable, "-c", CHILD, str(tid_file), str(args.step_ms),
+            sys.executable, "-c", CHILD, str(tid_file), f"{args.step_ms},{args.hold_ms}",
             "--model", str(model), "--device", "cpu", "--port", "0", "--log-level", "WARNING",
             "--max-num-seqs", str(args.max_num_seqs), "--max-queue-size", str(4 * args.concurrency),
             "--max-num-batched-tokens", "8192", "--kv-cache-mb", "512", "--metrics-port", "0",
@@ -159,6 +173,13 @@ def main() -> int:
                 raise RuntimeError(f"the worker did not start: {line!r}")
             address, metrics = f"{found.group(1)}:{found.group(2)}", f"{found.group(3)}:{found.group(4)}"
             os.sched_setaffinity(0, {client_core})
+            if args.worker_alone:  # its front and fetch processes beside the client instead
+                for path in Path("/proc").glob("[0-9]*/stat"):
+                    try:
+                        if _stat(path)[0] == proc.pid:
+                            os.sched_setaffinity(int(path.parent.name), {client_core})
+                    except OSError:
+                        continue
             asyncio.run(drive(address, args, args.warmup))
             step_tid = int(tid_file.read_text())
             spy = None
@@ -188,6 +209,7 @@ def main() -> int:
         "concurrency": args.concurrency,
         "output_len": list(args.output_len),
         "step_ms": args.step_ms,
+        "hold_ms": args.hold_ms,
         "requests_per_s": summary["request_throughput"],
         "tokens_per_s": summary["output_token_throughput"],
         "failed": summary["failed"],
@@ -201,6 +223,10 @@ def main() -> int:
         # from the worker's metrics over the measured run: its garbage collections (by generation,
         # their total ms) and how full its steps were
         **{k: activity[k] for k in ("gc_collections", "gc_ms", "gc_over_10ms", "mean_sequences_per_step")},
+        # what ended the steps' admission passes, and how long requests were outside the engine
+        "step_admissions": activity["step_admissions"],
+        "outside_engine_ms": summary.get("outside_engine_ms"),
+        "mean_requests_outside_engine": summary.get("mean_requests_outside_engine"),
     }
     print(json.dumps(row))
     if args.json:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving_args import parser
 from serving_fleet import Fleet, Service, WorkerOptions, register_all, write_adapters, write_model
-from serving_probes import EngineSampler, enter_all, holdings, host_cpu, py_spy
+from serving_probes import EngineSampler, ProcessCpu, enter_all, holdings, host_cpu, py_spy
 from serving_report import coverage, device_name, line_for, resident_share, still_warming, store_share
 
 from loraserve.clients.bench.runner import RunLimits, run_benchmark
@@ -197,13 +197,19 @@ class Bench:
                 )  # fmt: skip
             row["settle"] = self.settle(target, ids, n, row["warmup"], worker.metrics_address)
             engine = EngineSampler(worker.address, window_s=a.duration)
+            cpu = ProcessCpu(worker.process.pid, window_s=a.duration)
             with contextlib.ExitStack() as stack:
-                contexts = (self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant), engine)
+                contexts = (
+                    self.profiled(worker, f"n{n}-saturation", a.duration, on=not variant),
+                    engine,
+                    cpu,
+                )
                 sat = self.load(
                     target, ids, rate=None, duration=a.duration, seed=10 + n, metrics=[worker.metrics_address],
                     on_start=functools.partial(enter_all, stack, contexts),
                 )  # fmt: skip
             sat["engine"] = engine.summary()
+            sat["cpu"] = cpu.summary()
             row["saturation"] = sat
             throughput = float(sat["request_throughput"])
             for share in (0.5, 0.8):

@@ -91,6 +91,91 @@ class EngineSampler:
         }
 
 
+def _ticks(stat: Path) -> tuple[int, int]:
+    """(parent pid, utime + stime ticks) from a /proc stat file."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[11]) + int(fields[12])
+
+
+def _role(pid: int) -> str:
+    """A short name for a process from its command line: the module or script it runs."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "gone"
+    for i, arg in enumerate(argv):
+        if arg == "-m" and i + 1 < len(argv):
+            return argv[i + 1].rsplit(".", 1)[-1]
+        if "spawn_main" in arg:
+            return "generator"
+        if arg.endswith(".py"):
+            return Path(arg).stem
+    return Path(argv[0]).name if argv and argv[0] else "?"
+
+
+class ProcessCpu:
+    """CPU time over a window, as shares of one core: the worker's process in all and its busiest
+    threads (the first is its step thread under load; the interpreter they share cannot run more
+    than one of them at a time), the processes it started (its stream front, its fetch process) and
+    this benchmark's own child processes (the load generators). A share near 1.0 is what sets the
+    pace. Linux only (/proc); elsewhere the summary is empty."""
+
+    def __init__(self, worker_pid: int, window_s: float) -> None:
+        self.worker_pid, self.window_s = worker_pid, window_s
+        self._first: dict[str, int] = {}
+        self._last: dict[str, int] = {}
+        self._wall = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="process-cpu", daemon=True)
+
+    def _snapshot(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            out["worker"] = _ticks(Path(f"/proc/{self.worker_pid}/stat"))[1]
+            for task in Path(f"/proc/{self.worker_pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    out[f"worker thread {task.name}"] = _ticks(task / "stat")[1]
+        parents = {self.worker_pid: "worker's", os.getpid(): "benchmark's"}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError):
+                ppid, ticks = _ticks(stat)
+                pid = int(stat.parent.name)
+                if ppid in parents and pid != self.worker_pid:
+                    out[f"{parents[ppid]} {_role(pid)} {pid}"] = ticks
+        return out
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        self._first = self._snapshot()
+        self._stop.wait(self.window_s)
+        self._last = self._snapshot()
+        self._wall = time.monotonic() - t0
+
+    def __enter__(self) -> ProcessCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()
+
+    def summary(self, threads: int = 3) -> dict[str, object]:
+        if not self._wall:
+            return {}
+        hz = os.sysconf("SC_CLK_TCK")
+        share = {
+            k: round((v - self._first[k]) / hz / self._wall, 3)
+            for k, v in self._last.items()
+            if k in self._first
+        }
+        busiest = sorted((v for k, v in share.items() if k.startswith("worker thread")), reverse=True)
+        out: dict[str, object] = {"worker": share.get("worker"), "worker_busiest_threads": busiest[:threads]}
+        for k, v in sorted(share.items()):
+            if not k.startswith("worker") or k.startswith("worker's"):
+                name = k.rsplit(" ", 1)[0]  # several generator processes: their shares in a list
+                out.setdefault(name, []).append(v)  # type: ignore[union-attr]
+        return out
+
+
 def holdings(addresses: Sequence[str]) -> dict[str, dict[str, str]]:
     """The adapters each worker holds now, from its ListAdapters: adapter id -> tier (a GPU
     slot's adapter as "gpu", whether or not the CPU tier also holds it; fetches in flight left out)."""

@@ -47,6 +47,15 @@ def line_for(n: int, row: dict) -> str:
     if gen:
         flag = " SATURATED" if gen["saturated"] else ""
         fetches += f"  generator busy {gen['busy_share']:.0%}, late p99 {gen['lag_ms']['p99']} ms{flag}"
+    cpu = sat.get("cpu") or {}
+    if cpu.get("worker") is not None:
+        others = "  ".join(
+            f"{k} {v}" for k, v in cpu.items() if k not in ("worker", "worker_busiest_threads") and any(v)
+        )
+        fetches += (
+            f"  cpu at saturation: worker {cpu['worker']} (threads {cpu.get('worker_busiest_threads')})"
+            + (f" {others}" if others else "")
+        )
     if activity.get("gc_collections"):
         fetches += f"  gc at 80% {activity['gc_collections']} ({activity['gc_over_10ms']} over 10 ms)"
     sat_activity = sat.get("adapter_activity") or {}

@@ -84,3 +84,12 @@ def test_a_row_line_names_the_collections_at_80_percent_load() -> None:
     assert "max_num_seqs 30%), outside the engine 40.5 ms a request (10.1 requests on average)" in line_for(
         1000, row
     )
+    row["saturation"]["cpu"] = {
+        "worker": 0.98,
+        "worker_busiest_threads": [0.7, 0.25],
+        "worker's front": [0.91],
+        "benchmark's generator": [0.5, 0.48],
+        "worker's child": [0.0],
+    }
+    want = "cpu at saturation: worker 0.98 (threads [0.7, 0.25]) worker's front [0.91]  benchmark's generator [0.5, 0.48]"
+    assert want in line_for(1000, row) and "child" not in line_for(1000, row)  # idle: not named

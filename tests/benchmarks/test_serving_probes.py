@@ -1,0 +1,51 @@
+"""The serving benchmark's CPU probe: shares of a core by process and by the worker's threads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.serving_probes import ProcessCpu
+
+# a stand-in worker: two threads busy for a while, and a child process busy too
+WORKER = """
+import subprocess, sys, threading, time
+child = subprocess.Popen([sys.executable, "-c", "import time\\nend = time.time() + 4\\nwhile time.time() < end: pass"])
+def spin(seconds):
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
+t = threading.Thread(target=spin, args=(4,))
+t.start()
+time.sleep(4)  # the main thread idles
+t.join()
+child.wait()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_shares_by_process_and_by_the_workers_busiest_threads() -> None:
+    worker = subprocess.Popen([sys.executable, "-c", WORKER])
+    try:
+        time.sleep(0.5)
+        with ProcessCpu(worker.pid, window_s=1.5) as cpu:
+            pass
+        got = cpu.summary(threads=2)
+    finally:
+        worker.kill()
+        worker.wait()
+    # one thread spun (the interpreter's lock lets it run alone), the main thread slept
+    assert 0.6 <= got["worker"] <= 1.2
+    busiest, second = got["worker_busiest_threads"]
+    assert busiest >= 0.6 and second <= 0.2
+    # its child is the worker's; the worker itself is not counted again among this process's children
+    (child,) = got["worker's python"]
+    assert 0.6 <= child <= 1.2
+    assert not any(k.startswith("benchmark's") for k in got)
+
+
+def test_an_unfinished_window_says_nothing() -> None:
+    assert ProcessCpu(1, window_s=1).summary() == {}
