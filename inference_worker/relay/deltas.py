@@ -1,6 +1,7 @@
 """A streamed generation's running output as the worker sends it to its front: the fields of a
 GenerateStreamResponse without logprobs or usage, as plain values, so the worker's event loop
-builds no message; the front (its own interpreter) builds and serializes it."""
+builds no message; the front (its own interpreter) builds and serializes it. Deltas of one
+completion that queued in the front while it was busy go out as one message (`merged`)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,10 @@ def delta_message(delta: Delta) -> bytes:
     if finish:
         msg.finish_reason = finish  # type: ignore[assignment]
     return msg.SerializeToString()
+
+
+def merged(a: Delta, b: Delta) -> Delta | None:
+    """`b` appended to `a` when it continues it (same completion, `a` not ended), else None."""
+    if b[3] != a[3] or a[4]:
+        return None
+    return (a[0], a[1] + b[1], a[2] + b[2], a[3], b[4])

@@ -2,7 +2,8 @@
 --port P --core 127.0.0.1:Q --socket PATH [--tls-cert C --tls-key K]`, started by the worker.
 
 It serves the worker's public address. Generate and GenerateStream go to the worker over its relay
-socket (framing.py) and their messages come back a step's worth at a time; every other call (the
+socket (framing.py) and their messages come back a step's worth at a time (a stream's running
+outputs that queued while the front was busy leave as one message, as in the worker's own loop); every other call (the
 admin RPCs, health, reflection) passes through to the worker's gRPC server on its private port,
 metadata included, so tokens and statuses are the worker's own. It prints `listening PORT` (or
 `error MESSAGE`) on stdout once, then logs on stderr, and exits when the worker's socket or its
@@ -22,7 +23,7 @@ from typing import Any
 import grpc
 from tokenizers import Tokenizer
 
-from loraserve.inference_worker.relay.deltas import delta_message
+from loraserve.inference_worker.relay.deltas import delta_message, merged
 from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
 from loraserve.inference_worker.relay.front_text import StreamText, text_in_front
 
@@ -151,11 +152,22 @@ class Front(grpc.GenericRpcHandler):
             text = StreamText(tokenizer) if tokenizer is not None and text_in_front(request) else None
             key, queue = self.link.call(method, request, context, text_here=text is not None)
             ended = False
+            held = None  # taken from the queue and not merged: the next to send
             try:
                 while True:
-                    op = await queue.get()
+                    op, held = held or await queue.get(), None
                     if op[0] == "delta":
-                        yield delta_message(op[2]) if text is None else text.delta(op[2])
+                        delta = op[2]
+                        # what queued behind it while this process was busy: one message a
+                        # completion, so a front that falls behind sends fewer, larger messages
+                        while not queue.empty():
+                            nxt = queue.get_nowait()
+                            longer = merged(delta, nxt[2]) if nxt[0] == "delta" else None
+                            if longer is None:
+                                held = nxt
+                                break
+                            delta = longer
+                        yield delta_message(delta) if text is None else text.delta(delta)
                         continue
                     if op[0] == "message":
                         yield op[2] if text is None else text.message(op[2])

@@ -1,0 +1,111 @@
+"""A front that falls behind sends fewer, larger messages: a stream's running outputs that queued
+while it was busy leave as one message a completion (tokens and text in order, the finish reason
+of the last), never merged across completions, past a completion's end or into the worker's own
+messages and statuses; a front that keeps up sends each output as it comes."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from loraserve.inference_worker.relay.deltas import merged
+from loraserve.inference_worker.relay.front import Front
+from loraserve.v1 import worker_pb2
+
+LENGTH = worker_pb2.FINISH_REASON_LENGTH
+METHOD = "/loraserve.v1.InferenceWorker/GenerateStream"
+
+
+def test_merged_continues_one_completion_only() -> None:
+    a = ("r", "Once", [1, 2], 0, 0)
+    assert merged(a, ("r", " upon", [3], 0, LENGTH)) == ("r", "Once upon", [1, 2, 3], 0, LENGTH)
+    assert merged(a, ("r", "x", [3], 1, 0)) is None  # another completion
+    assert merged(("r", "", [1], 0, LENGTH), ("r", "", [2], 0, 0)) is None  # past its end
+
+
+class QueuedLink:
+    """A link whose call finds `ops` already queued (what piled up while the front was busy)."""
+
+    tokenizer = None
+
+    def __init__(self, ops: list[tuple[Any, ...]], more: list[tuple[Any, ...]] = ()) -> None:
+        self.ops, self.more, self.cancelled = ops, list(more), None
+        self.queue: asyncio.Queue | None = None
+
+    def call(self, method, request, context, text_here=False):
+        self.queue = asyncio.Queue()
+        for op in self.ops:
+            self.queue.put_nowait(op)
+        return 7, self.queue
+
+    def done(self, key: int, cancel: bool) -> None:
+        self.cancelled = cancel
+
+
+class Context:
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def stream(link: QueuedLink, paced: bool = False) -> list[worker_pb2.GenerateStreamResponse]:
+    """The messages the front sends for one call; `paced`: the link's `more` ops arrive one at a
+    time, each after the front sent what it had (a front that keeps up)."""
+
+    async def go():
+        details = SimpleNamespace(method=METHOD)
+        behavior = Front(link, core=None).service(details)  # type: ignore[arg-type]
+        out = []
+        async for data in behavior.unary_stream(b"", Context()):
+            out.append(worker_pb2.GenerateStreamResponse.FromString(data))
+            if paced and link.more:
+                link.queue.put_nowait(link.more.pop(0))
+        return out
+
+    return asyncio.run(go())
+
+
+def last(tokens: list[int]) -> tuple[str, int, bytes]:
+    msg = worker_pb2.GenerateStreamResponse(request_id="r", token_ids=tokens, finish_reason=LENGTH)
+    msg.usage.completion_tokens = 9
+    return ("message", 7, msg.SerializeToString())
+
+
+def test_queued_outputs_of_a_completion_leave_as_one_message() -> None:
+    ops = [
+        ("delta", 7, ("r", "a", [1], 0, 0)),
+        ("delta", 7, ("r", "b", [2], 0, 0)),
+        ("delta", 7, ("r", "c", [3], 0, 0)),
+        ("delta", 7, ("r", "x", [10], 1, 0)),  # another completion: a message of its own
+        ("delta", 7, ("r", "y", [11], 1, LENGTH)),
+        ("delta", 7, ("r", "d", [4], 0, 0)),
+        last([5]),  # the worker's own last message (usage): sent as it is
+        ("end", 7),
+    ]
+    link = QueuedLink(ops)
+    got = stream(link)
+    assert [(m.index, list(m.token_ids), m.text, m.finish_reason) for m in got] == [
+        (0, [1, 2, 3], "abc", 0),
+        (1, [10, 11], "xy", LENGTH),
+        (0, [4], "d", 0),
+        (0, [5], "", LENGTH),
+    ]
+    assert got[-1].usage.completion_tokens == 9 and link.cancelled is False
+
+
+def test_a_status_after_queued_outputs_still_ends_the_call() -> None:
+    ops = [("delta", 7, ("r", "a", [1], 0, 0)), ("delta", 7, ("r", "b", [2], 0, 0))]
+    link = QueuedLink([*ops, ("error", 7, "RESOURCE_EXHAUSTED", "full")])
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED: full"):
+        stream(link)
+
+
+def test_a_front_that_keeps_up_sends_each_output_as_it_comes() -> None:
+    first = ("delta", 7, ("r", "a", [1], 0, 0))
+    more = [("delta", 7, ("r", t, [i], 0, 0)) for i, t in enumerate("bcd", start=2)]
+    link = QueuedLink([first], more=[*more, last([5]), ("end", 7)])
+    got = stream(link, paced=True)
+    assert [list(m.token_ids) for m in got] == [[1], [2], [3], [4], [5]]
