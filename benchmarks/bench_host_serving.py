@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serving_fleet import LISTENING  # noqa: E402
+from serving_probes import proc_stat  # noqa: E402
 
 from loraserve.clients.bench.cli import length_range  # noqa: E402
 from loraserve.clients.bench.runner import RunLimits, run_benchmark  # noqa: E402
@@ -76,14 +77,8 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def _stat(path: Path) -> tuple[int, int]:
-    """(parent pid, CPU ticks: utime + stime) from a /proc stat file."""
-    fields = path.read_text().rsplit(")", 1)[1].split()
-    return int(fields[1]), int(fields[11]) + int(fields[12])
-
-
 def cpu_ticks(pid: int, tid: int | None = None) -> int:
-    return _stat(Path(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"))[1]
+    return proc_stat(Path(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"))[1]
 
 
 def children_ticks(pid: int) -> int:
@@ -91,7 +86,7 @@ def children_ticks(pid: int) -> int:
     total = 0
     for path in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ppid, ticks = _stat(path)
+            ppid, ticks, _ = proc_stat(path)
         except OSError:  # gone meanwhile
             continue
         total += ticks if ppid == pid else 0
@@ -176,8 +171,9 @@ def main() -> int:
             if args.worker_alone:  # its front and fetch processes beside the client instead
                 for path in Path("/proc").glob("[0-9]*/stat"):
                     try:
-                        if _stat(path)[0] == proc.pid:
-                            os.sched_setaffinity(int(path.parent.name), {client_core})
+                        if proc_stat(path)[0] == proc.pid:  # every thread: each has its own mask
+                            for task in (path.parent / "task").iterdir():
+                                os.sched_setaffinity(int(task.name), {client_core})
                     except OSError:
                         continue
             asyncio.run(drive(address, args, args.warmup))
@@ -210,6 +206,7 @@ def main() -> int:
         "output_len": list(args.output_len),
         "step_ms": args.step_ms,
         "hold_ms": args.hold_ms,
+        "worker_alone": args.worker_alone,
         "requests_per_s": summary["request_throughput"],
         "tokens_per_s": summary["output_token_throughput"],
         "failed": summary["failed"],

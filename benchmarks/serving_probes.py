@@ -91,21 +91,23 @@ class EngineSampler:
         }
 
 
-def _ticks(stat: Path) -> tuple[int, int]:
-    """(parent pid, utime + stime ticks) from a /proc stat file."""
+def proc_stat(stat: Path) -> tuple[int, int, str]:
+    """(parent pid, CPU ticks: utime + stime, state) from a /proc stat file."""
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return int(fields[1]), int(fields[11]) + int(fields[12])
+    return int(fields[1]), int(fields[11]) + int(fields[12]), fields[0]
 
 
 def _role(pid: int) -> str:
-    """A short name for a process from its command line: the module or script it runs."""
+    """A short name for a process from its command line: the module or script it runs (with the
+    subcommand of `loraserve.cli`: worker, store, ...)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return "gone"
     for i, arg in enumerate(argv):
         if arg == "-m" and i + 1 < len(argv):
-            return argv[i + 1].rsplit(".", 1)[-1]
+            module = argv[i + 1].rsplit(".", 1)[-1]
+            return f"{module} {argv[i + 2]}" if module == "cli" and i + 2 < len(argv) else module
         if "spawn_main" in arg:
             return "generator"
         if arg.endswith(".py"):
@@ -131,16 +133,16 @@ class ProcessCpu:
     def _snapshot(self) -> dict[str, int]:
         out: dict[str, int] = {}
         with contextlib.suppress(OSError):
-            out["worker"] = _ticks(Path(f"/proc/{self.worker_pid}/stat"))[1]
+            out["worker"] = proc_stat(Path(f"/proc/{self.worker_pid}/stat"))[1]
             for task in Path(f"/proc/{self.worker_pid}/task").iterdir():
                 with contextlib.suppress(OSError):
-                    out[f"worker thread {task.name}"] = _ticks(task / "stat")[1]
+                    out[f"worker thread {task.name}"] = proc_stat(task / "stat")[1]
         parents = {self.worker_pid: "worker's", os.getpid(): "benchmark's"}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             with contextlib.suppress(OSError, ValueError):
-                ppid, ticks = _ticks(stat)
+                ppid, ticks, state = proc_stat(stat)
                 pid = int(stat.parent.name)
-                if ppid in parents and pid != self.worker_pid:
+                if ppid in parents and pid != self.worker_pid and state != "Z":  # (not the ended)
                     out[f"{parents[ppid]} {_role(pid)} {pid}"] = ticks
         return out
 
@@ -156,10 +158,11 @@ class ProcessCpu:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop.set()  # a load that ended early (or failed) ends the window
         self._thread.join()
 
     def summary(self, threads: int = 3) -> dict[str, object]:
-        if not self._wall:
+        if not self._wall or "worker" not in self._first:
             return {}
         hz = os.sysconf("SC_CLK_TCK")
         share = {

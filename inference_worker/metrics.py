@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from loraserve.inference_worker.adapters.usage_metrics import AdapterUsageMetrics
-from loraserve.inference_worker.engine.scheduler import ADMISSION_OUTCOMES
+from loraserve.inference_worker.engine.scheduler import ADMISSION_OUTCOMES, AdmissionOutcome
 from loraserve.serving.gc_tuning import GCPauses
 
 if TYPE_CHECKING:
@@ -76,8 +76,9 @@ class WorkerMetrics:
         # a step below max_num_seqs with requests waiting says here what held them back
         admissions = Counter(
             "loraserve_worker_step_admissions",
-            "Engine steps by what ended their admission pass: queue_empty (nothing left to admit), "
-            "max_num_seqs, token_budget, kv_memory, adapter_wait (adapters not resident yet), preempted",
+            "Engine steps that ran, by what ended their admission pass: queue_empty (nothing left to "
+            "admit), max_num_seqs, token_budget, kv_memory, adapter_wait (adapters not resident yet), "
+            "pending_token, preempted",
             ["outcome"],
             registry=r,
         )
@@ -123,7 +124,9 @@ class WorkerMetrics:
             self.ttft.observe(usage.time_to_first_token_ms / 1e3)
         self.queue_time.observe(usage.queue_time_ms / 1e3)
 
-    def observe_step(self, kind: str, seconds: float, sequences: int, tokens: int, admission: str) -> None:
+    def observe_step(
+        self, kind: str, seconds: float, sequences: int, tokens: int, admission: AdmissionOutcome
+    ) -> None:
         self._step_kinds[kind].observe(seconds)
         self._admissions[admission].inc()
         self.step_sequences.observe(sequences)

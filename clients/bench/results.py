@@ -125,7 +125,7 @@ def summarize(
         # the way in (client, worker front, to the engine) and out (the end back to the client): in
         # a closed loop, throughput x its mean requests are on their way and not at the engine
         summary["outside_engine_ms"] = latency_ms(outside)
-        summary["mean_requests_outside_engine"] = round(len(ok) / span * statistics.fmean(outside), 2)
+        summary["mean_requests_outside_engine"] = round(len(outside) / span * statistics.fmean(outside), 2)
     workers = Counter(r.worker for r in ok if r.worker)
     if len(workers) > 1:
         summary["requests_by_worker"] = dict(sorted(workers.items()))

@@ -28,7 +28,7 @@ from loraserve.inference_worker.engine.model_runner import ModelRunner
 from loraserve.inference_worker.engine.output_queue import OutputCallback, OutputDispatcher, OutputQueue
 from loraserve.inference_worker.engine.request_builder import RequestBuilder
 from loraserve.inference_worker.engine.sampler import LaunchedSample, Sampler
-from loraserve.inference_worker.engine.scheduler import Scheduler
+from loraserve.inference_worker.engine.scheduler import AdmissionOutcome, Scheduler
 from loraserve.inference_worker.engine.sequence import (
     FinishReason,
     SamplingParams,
@@ -96,7 +96,7 @@ class LLMEngine:
         # called after every step that ran the model (the worker's metrics): step_observer(kind,
         # seconds, sequences, tokens, admission) with kind "prefill" (a prefill chunk in the step)
         # or "decode", admission what ended the step's admission pass (scheduler.ADMISSION_OUTCOMES)
-        self.step_observer: Callable[[str, float, int, int, str], None] | None = None
+        self.step_observer: Callable[[str, float, int, int, AdmissionOutcome], None] | None = None
         self._text_pending: list[Sequence] = []  # sampled last step, text not yet processed
         cfg_async = config.async_scheduling
         on_cuda = self.runner.device.type == "cuda"

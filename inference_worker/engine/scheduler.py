@@ -19,13 +19,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from loraserve.inference_worker.engine.adapter_hooks import AdmissionPolicy
 from loraserve.inference_worker.engine.block_manager import BlockManager
 from loraserve.inference_worker.engine.sequence import Sequence, SequenceStatus
 
-# queue_empty: every waiting sequence was admitted (or none waited); the others name what stopped it
-ADMISSION_OUTCOMES = ("queue_empty", "max_num_seqs", "token_budget", "kv_memory", "adapter_wait", "preempted")
+# queue_empty: every waiting sequence was admitted (or none waited); the others name what held one
+# back: the running set's size, the step's token budget, KV memory, an adapter not resident yet
+# (the scan went past it), a preempted sequence whose last token is still on the device, or a
+# preemption in this pass (which admits nothing)
+AdmissionOutcome = Literal[
+    "queue_empty", "max_num_seqs", "token_budget", "kv_memory", "adapter_wait", "pending_token", "preempted"
+]
+ADMISSION_OUTCOMES: tuple[AdmissionOutcome, ...] = get_args(AdmissionOutcome)
 
 
 @dataclass
@@ -35,7 +42,7 @@ class ScheduledBatch:
     failed: list[Sequence] = field(default_factory=list)  # admission failed for good (seq.error)
     # what ended the admission pass (one of ADMISSION_OUTCOMES): why a step with requests waiting
     # carried fewer than max_num_seqs sequences, when it did
-    admission: str = "queue_empty"
+    admission: AdmissionOutcome = "queue_empty"
 
     @property
     def empty(self) -> bool:
@@ -135,7 +142,7 @@ class Scheduler:
             out.admission = "preempted"
             return out
         held = self._held_for_siblings() if self.waiting else 0
-        declined = False
+        declined = pending = False
         for seq in list(self.waiting):
             # an n > 1 request is admitted with room for its siblings, which fork from it
             if len(self.running) + held + 1 + len(seq.forks) > self.max_num_seqs:
@@ -145,6 +152,7 @@ class Scheduler:
                 out.admission = "token_budget"
                 break
             if seq.num_pending:  # its last token is still on the device: its prompt waits for it
+                pending = True
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             needed = self.blocks.num_new_blocks(seq, seq.num_computed_tokens + n)
@@ -174,6 +182,8 @@ class Scheduler:
         else:
             if declined:
                 out.admission = "adapter_wait"
+            elif pending:
+                out.admission = "pending_token"
         return out
 
     def _held_for_siblings(self) -> int:

@@ -2,8 +2,9 @@
 --port P --core 127.0.0.1:Q --socket PATH [--tls-cert C --tls-key K]`, started by the worker.
 
 It serves the worker's public address. Generate and GenerateStream go to the worker over its relay
-socket (framing.py) and their messages come back a step's worth at a time (a stream's running
-outputs that queued while the front was busy leave as one message, as in the worker's own loop); every other call (the
+socket (framing.py) and their messages come back a step's worth at a time (consecutive running
+outputs of a completion that queued while the front was busy leave as one message, as in the
+worker's own loop); every other call (the
 admin RPCs, health, reflection) passes through to the worker's gRPC server on its private port,
 metadata included, so tokens and statuses are the worker's own. It prints `listening PORT` (or
 `error MESSAGE`) on stdout once, then logs on stderr, and exits when the worker's socket or its
@@ -155,11 +156,15 @@ class Front(grpc.GenericRpcHandler):
             held = None  # taken from the queue and not merged: the next to send
             try:
                 while True:
-                    op, held = held or await queue.get(), None
+                    if held is None:
+                        op = await queue.get()
+                    else:
+                        op, held = held, None
                     if op[0] == "delta":
                         delta = op[2]
-                        # what queued behind it while this process was busy: one message a
-                        # completion, so a front that falls behind sends fewer, larger messages
+                        # what queued behind it while this process was busy, of the same
+                        # completion: one message, so a front that falls behind sends fewer,
+                        # larger messages
                         while not queue.empty():
                             nxt = queue.get_nowait()
                             longer = merged(delta, nxt[2]) if nxt[0] == "delta" else None

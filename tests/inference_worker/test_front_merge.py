@@ -1,7 +1,8 @@
-"""A front that falls behind sends fewer, larger messages: a stream's running outputs that queued
-while it was busy leave as one message a completion (tokens and text in order, the finish reason
-of the last), never merged across completions, past a completion's end or into the worker's own
-messages and statuses; a front that keeps up sends each output as it comes."""
+"""A front that falls behind sends fewer, larger messages: consecutive running outputs of one
+completion that queued while it was busy leave as one message (tokens and text in order, the finish
+reason of the last; the text made in the front the same), never merged across completions, past a
+completion's end or into the worker's own messages and statuses; a front that keeps up sends each
+output as it comes."""
 
 from __future__ import annotations
 
@@ -30,10 +31,9 @@ def test_merged_continues_one_completion_only() -> None:
 class QueuedLink:
     """A link whose call finds `ops` already queued (what piled up while the front was busy)."""
 
-    tokenizer = None
-
-    def __init__(self, ops: list[tuple[Any, ...]], more: list[tuple[Any, ...]] = ()) -> None:
+    def __init__(self, ops: list[tuple[Any, ...]], more: list[tuple[Any, ...]] = (), tokenizer=None) -> None:
         self.ops, self.more, self.cancelled = ops, list(more), None
+        self.tokenizer = tokenizer
         self.queue: asyncio.Queue | None = None
 
     def call(self, method, request, context, text_here=False):
@@ -51,15 +51,17 @@ class Context:
         raise RuntimeError(f"{code.name}: {details}")
 
 
-def stream(link: QueuedLink, paced: bool = False) -> list[worker_pb2.GenerateStreamResponse]:
-    """The messages the front sends for one call; `paced`: the link's `more` ops arrive one at a
-    time, each after the front sent what it had (a front that keeps up)."""
+def stream(
+    link: QueuedLink, paced: bool = False, out: list | None = None, request: bytes = b""
+) -> list[worker_pb2.GenerateStreamResponse]:
+    """The messages the front sends for one call (also into `out` as they go); `paced`: the link's
+    `more` ops arrive one at a time, each after the front sent what it had (a front that keeps up)."""
+    out = [] if out is None else out
 
     async def go():
         details = SimpleNamespace(method=METHOD)
         behavior = Front(link, core=None).service(details)  # type: ignore[arg-type]
-        out = []
-        async for data in behavior.unary_stream(b"", Context()):
+        async for data in behavior.unary_stream(request, Context()):
             out.append(worker_pb2.GenerateStreamResponse.FromString(data))
             if paced and link.more:
                 link.queue.put_nowait(link.more.pop(0))
@@ -99,8 +101,25 @@ def test_queued_outputs_of_a_completion_leave_as_one_message() -> None:
 def test_a_status_after_queued_outputs_still_ends_the_call() -> None:
     ops = [("delta", 7, ("r", "a", [1], 0, 0)), ("delta", 7, ("r", "b", [2], 0, 0))]
     link = QueuedLink([*ops, ("error", 7, "RESOURCE_EXHAUSTED", "full")])
+    sent: list = []
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED: full"):
-        stream(link)
+        stream(link, out=sent)
+    assert [(list(m.token_ids), m.text) for m in sent] == [([1, 2], "ab")]  # sent before the status
+    assert link.cancelled is False  # the call ended with the worker's status, nothing to cancel
+
+
+def test_the_text_made_in_the_front_is_the_same_when_outputs_merge(tiny_model_dir) -> None:
+    from loraserve.inference_worker.model.loader import load_tokenizer
+    from tests.inference_worker.test_front_text import TEXT, worker_text
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer.encode(TEXT).ids
+    request = worker_pb2.GenerateRequest(prompt_token_ids=[1, 2]).SerializeToString()  # plain: text here
+    deltas = [("delta", 7, ("r", "", [t], 0, 0)) for t in ids[:-1]]
+    link = QueuedLink([*deltas, last(ids[-1:]), ("end", 7)], tokenizer=tokenizer)
+    got = stream(link, request=request)
+    assert len(got) == 2 and list(got[0].token_ids) == ids[:-1]  # all queued: one message, then the last
+    assert "".join(m.text for m in got) == worker_text(tokenizer, ids)
 
 
 def test_a_front_that_keeps_up_sends_each_output_as_it_comes() -> None:

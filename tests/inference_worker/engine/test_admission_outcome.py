@@ -100,5 +100,22 @@ def test_a_preempting_pass_admits_nothing_and_says_so() -> None:
     run_step(s)
     s.add(seq())
     outcomes = [run_step(s).admission for _ in range(3)]  # the second needs a third block: none free
-    assert outcomes[0] == "preempted" and second.num_preemptions == 1
-    assert set(outcomes) <= set(ADMISSION_OUTCOMES)
+    # preempted, it waits at the queue's head for the two blocks the first one's growth left one of
+    assert outcomes == ["preempted", "kv_memory", "kv_memory"] and second.num_preemptions == 1
+    assert s.waiting[0] is second
+
+
+def test_a_sequence_whose_last_token_is_on_the_device_holds_the_pass() -> None:
+    s = scheduler()
+    s.add(seq())
+    run_step(s)
+    late = seq()
+    late.num_pending = 1  # preempted while its last token was still on the device
+    s.add(late)
+    out = run_step(s)
+    assert out.admission == "pending_token" and len(s.waiting) == 1 and len(out.decodes) == 1
+    late.num_pending = 0
+    assert run_step(s).admission == "queue_empty" and not s.waiting
+    assert set(ADMISSION_OUTCOMES) == {
+        "queue_empty", "max_num_seqs", "token_budget", "kv_memory", "adapter_wait", "pending_token", "preempted"
+    }  # fmt: skip
