@@ -184,7 +184,9 @@ class Bench:
             row: dict[str, object] = {}
 
             # (a partial, not a closure: each generator process builds its own from it)
-            target = functools.partial(WorkerTarget, worker.address, Sampling(timeout_s=600))
+            target = functools.partial(
+                WorkerTarget, worker.address, Sampling(timeout_s=600), connections=a.connections
+            )
 
             # the first warm-up is longer: the worker's kernels compile for the shapes they meet
             warm = a.first_warmup if i == 0 else a.warmup

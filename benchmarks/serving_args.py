@@ -52,6 +52,13 @@ def parser(description: str) -> argparse.ArgumentParser:
         "second; one was near its limit at ~290 req/s); the two-worker runs use one, the router's "
         "choices being its own",
     )
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="connections to the worker per generator process of the N sweep, taken in turn (a worker "
+        "with several front processes gets each connection on one of them)",
+    )
     p.add_argument("--prefetch", type=int, default=32, help="adapters prefetched per round when on")
     p.add_argument("--prefetch-duration", type=float, default=15.0, help="0 = skip the two-worker runs")
     p.add_argument(

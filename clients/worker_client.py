@@ -220,10 +220,13 @@ class _Base:
         timeout: float | None = None,
         interceptors: Sequence[Any] = (),
         tls: bool = False,
+        own_connection: bool = False,
     ) -> None:
         self._token, self._admin_token, self.timeout = token, admin_token, timeout
         # interceptors: grpc.aio client interceptors (the asyncio client only), e.g. trace propagation
-        extra = {"interceptors": interceptors} if interceptors else {}
+        extra: dict[str, Any] = {"interceptors": interceptors} if interceptors else {}
+        if own_connection:  # not shared with this process's other channels to the same address
+            extra["options"] = [("grpc.use_local_subchannel_pool", 1)]
         self.channel = self._open(address, tls=tls, root_certificates=tls_ca, **extra)
         self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
 

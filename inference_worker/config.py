@@ -46,6 +46,9 @@ _HELP = {
     "stream_process": "serve clients from a front process of the worker's: generations reach it over a "
     "local socket a step's worth at a time, so sending their token streams does not compete with "
     "the engine for this process's interpreter; other calls pass through it unchanged",
+    "stream_processes": "front processes (with stream_process): each sends the token streams of the "
+    "clients' connections the kernel gives it (they share the port); more when one front process, "
+    "at a core of its own, is what limits the worker's streamed tokens a second",
     "tensor_parallel_size": "ranks (one process and GPU each) the model is sharded over; rank 0 serves "
     "and starts the others (1 = one process)",
     "tensor_parallel_timeout_s": "seconds a rank waits for another inside a step before the worker "
@@ -111,6 +114,7 @@ class WorkerConfig:
     gc_threshold: int = DEFAULT_GEN0_THRESHOLD
     stream_interval: int = 1
     stream_process: bool = True
+    stream_processes: int = 1
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
     max_loras: int = 4
@@ -180,6 +184,8 @@ class WorkerConfig:
         ):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
+        if not 1 <= self.stream_processes <= 64:
+            problems.append("stream_processes must be in [1, 64]")
         if not 1 <= self.max_fetches <= 64:
             problems.append("max_fetches must be in [1, 64]")
         if self.preload_adapters.strip():

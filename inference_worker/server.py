@@ -93,7 +93,12 @@ class WorkerServer:
         if config.stream_process:  # clients reach the front; this server listens on loopback only
             private = bind_grpc_port(self.grpc_server, "127.0.0.1", 0)
             self.front = FrontProcess(
-                config.host, config.port, f"127.0.0.1:{private}", config.tls_cert, config.tls_key
+                config.host,
+                config.port,
+                f"127.0.0.1:{private}",
+                config.tls_cert,
+                config.tls_key,
+                count=config.stream_processes,
             )
             self.port = self.front.port
         else:
@@ -125,6 +130,7 @@ class WorkerServer:
                 self.interceptors,
                 [f"/{SERVICE_NAME}/{m}" for m in GENERATE_METHODS],
                 tokenizer_json=self.engine.tokenizer.to_str(),
+                fronts=len(self.front.procs),
             )
         self.metrics_port: int | None = None
         self.preloaded: PreloadReport | None = None  # what --preload-adapters loaded
@@ -155,7 +161,7 @@ class WorkerServer:
                 await asyncio.wait_for(self.relay.connected.wait(), FRONT_CONNECT_S)
             except asyncio.TimeoutError:
                 raise DependencyUnavailable(
-                    f"the worker's front process did not connect within {FRONT_CONNECT_S:.0f} s"
+                    f"the worker's front processes did not connect within {FRONT_CONNECT_S:.0f} s"
                 ) from None
 
             def on_front_exit(code: int) -> None:  # on a watcher thread

@@ -70,6 +70,13 @@ def parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key of the OpenAI endpoint"
     )
     t.add_argument("--token", default=os.environ.get("LORASERVE_GENERATE_TOKEN"), help="worker bearer token")
+    t.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="connections to one --worker, taken in turn by the requests (a worker with several front "
+        "processes, --stream-processes, gets each connection on one of them)",
+    )
     add_tls_args(t)
 
     load = p.add_argument_group("load")
@@ -156,7 +163,14 @@ def build_target(args: argparse.Namespace) -> Target:
     if not addresses:
         raise TargetError("no live worker", args.redis_url or args.worker)
     if len(addresses) == 1 and not args.redis_url:
-        return WorkerTarget(addresses[0], sampling, token=args.token, tls_ca=args.tls_ca, tls=args.tls)
+        return WorkerTarget(
+            addresses[0],
+            sampling,
+            token=args.token,
+            tls_ca=args.tls_ca,
+            tls=args.tls,
+            connections=args.connections,
+        )
     return RouterTarget(addresses, sampling, token=args.token, tls_ca=args.tls_ca, tls=args.tls)
 
 

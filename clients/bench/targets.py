@@ -82,14 +82,31 @@ def _rpc_error(exc: grpc.aio.AioRpcError) -> TargetError:
 
 
 class WorkerTarget:
-    """One worker over gRPC (GenerateStream)."""
+    """One worker over gRPC (GenerateStream), over `connections` connections of its own taken in
+    turn (a worker with several front processes gets each connection on one of them)."""
 
     def __init__(
-        self, address: str, sampling: Sampling, *, token: str | None = None, tls_ca=None, tls: bool = False
+        self,
+        address: str,
+        sampling: Sampling,
+        *,
+        token: str | None = None,
+        tls_ca=None,
+        tls: bool = False,
+        connections: int = 1,
     ) -> None:
+        if connections < 1:
+            raise ValueError("connections must be >= 1")
         self.address, self.sampling = address, sampling
-        self.description = f"worker {address}"
-        self.client = AsyncWorkerClient(address, token=token, tls_ca=tls_ca, tls=tls)
+        self.description = f"worker {address}" + (
+            f" over {connections} connections" if connections > 1 else ""
+        )
+        self.clients = [
+            AsyncWorkerClient(address, token=token, tls_ca=tls_ca, tls=tls, own_connection=connections > 1)
+            for _ in range(connections)
+        ]
+        self.client = self.clients[0]
+        self._turn = 0
 
     async def start(self) -> None:
         try:
@@ -102,14 +119,17 @@ class WorkerTarget:
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[Chunk]:
         s = self.sampling
+        client = self.clients[self._turn]
+        self._turn = (self._turn + 1) % len(self.clients)
         try:
-            async for delta in _generate(self.client, request, s):
+            async for delta in _generate(client, request, s):
                 yield _chunk(delta, self.address)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc) from None
 
     async def close(self) -> None:
-        await self.client.close()
+        for client in self.clients:
+            await client.close()
 
 
 class RouterTarget:

@@ -113,9 +113,11 @@ class RelayServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor],
         methods: Sequence[str],
         tokenizer_json: str | None = None,
+        fronts: int = 1,
     ) -> None:
         """tokenizer_json: the worker's tokenizer, sent to the front first on each connection
-        (it makes the text of the streams it marks); None: the worker makes all text."""
+        (it makes the text of the streams it marks); None: the worker makes all text. fronts: the
+        front processes that connect (`connected` is set once they all have)."""
         registry = _Registry()
         self._tokenizer_json = tokenizer_json
         add_servicer(servicer, registry)
@@ -125,7 +127,9 @@ class RelayServer:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._writers: set[FrameWriter] = set()
-        self.connected = asyncio.Event()  # the front is connected
+        self.connected = asyncio.Event()  # every front has connected
+        self._fronts, self._joined = fronts, 0
+        self.calls_by_front: list[int] = []  # calls relayed, by connection in the order they came
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._connection, path)
@@ -146,7 +150,11 @@ class RelayServer:
         this = asyncio.current_task()
         assert this is not None
         self._connections.add(this)
-        self.connected.set()
+        self._joined += 1
+        if self._joined >= self._fronts:
+            self.connected.set()
+        front = len(self.calls_by_front)
+        self.calls_by_front.append(0)
         out = FrameWriter(writer)
         self._writers.add(out)
         if self._tokenizer_json is not None:
@@ -156,6 +164,7 @@ class RelayServer:
             while (ops := await read_frame(reader)) is not None:
                 for op in ops:
                     if op[0] == "call":
+                        self.calls_by_front[front] += 1
                         calls[op[1]] = task = asyncio.ensure_future(self._call(out, *op[1:]))
                         task.add_done_callback(functools.partial(_forget, calls, op[1]))
                     elif op[0] == "cancel" and (running := calls.get(op[1])) is not None:

@@ -1,5 +1,7 @@
 """The front process of the stream relay: `python -m loraserve.inference_worker.relay.front --host H
---port P --core 127.0.0.1:Q --socket PATH [--tls-cert C --tls-key K]`, started by the worker.
+--port P --core 127.0.0.1:Q --socket PATH [--tls-cert C --tls-key K] [--share-port [--joining]]`,
+started by the worker (one or several: with --share-port they all listen on one port, the first
+binding it and the others joining, and the kernel spreads the clients' connections over them).
 
 It serves the worker's public address. Generate and GenerateStream go to the worker over its relay
 socket (framing.py) and their messages come back a step's worth at a time (consecutive running
@@ -238,10 +240,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     link = Link()
     core = grpc.aio.insecure_channel(args.core, options=[("grpc.max_receive_message_length", 64 << 20)])
-    server = grpc_server(options=[("grpc.max_receive_message_length", 4 << 20)])
+    server = grpc_server(options=[("grpc.max_receive_message_length", 4 << 20)], share_port=args.share_port)
     server.add_generic_rpc_handlers((Front(link, core),))
     try:
-        port = bind_grpc_port(server, args.host, args.port, args.tls_cert, args.tls_key)
+        port = bind_grpc_port(server, args.host, args.port, args.tls_cert, args.tls_key, joining=args.joining)
     except PortUnavailable as exc:
         print(f"error {exc}", flush=True)
         return 1
@@ -290,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="the worker's relay socket")
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
+    p.add_argument("--share-port", action="store_true", help="one of several fronts on the port")
+    p.add_argument("--joining", action="store_true", help="with --share-port: the port is bound already")
     args = p.parse_args(argv)
     return asyncio.run(serve(args))
 

@@ -1,6 +1,6 @@
-"""Starting and stopping the worker's front process (front.py): it binds the public address first
-(the worker id and the address the worker advertises derive from the bound port), then connects
-to the relay socket once the worker has loaded its model and listens there."""
+"""Starting and stopping the worker's front processes (front.py): the first binds the public address
+(the worker id and the address the worker advertises derive from the bound port), the others join
+it; each connects to the relay socket once the worker has loaded its model and listens there."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,57 +22,85 @@ STOP_WAIT_S = 5.0
 
 
 class FrontProcess:
+    """The worker's front: `count` processes serving the public port (the first binds it, the
+    others join it with SO_REUSEPORT, and the kernel spreads the clients' connections over them),
+    each connecting to the one relay socket. `proc` is the first of `procs`."""
+
     def __init__(
-        self, host: str, port: int, core_address: str, tls_cert: str | None = None, tls_key: str | None = None
+        self,
+        host: str,
+        port: int,
+        core_address: str,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        count: int = 1,
     ) -> None:
-        """Starts the front and waits until it listens; raises PortUnavailable when it cannot."""
+        """Starts the fronts and waits until they listen; raises PortUnavailable when one cannot."""
         self._directory = Path(tempfile.mkdtemp(prefix="loraserve-relay-"))  # 0700: ours alone
         self.socket_path = str(self._directory / "relay.sock")
-        args = ["--host", host, "--port", str(port), "--core", core_address, "--socket", self.socket_path]
+        self.procs: list[subprocess.Popen] = []
+        self._stopping = False
+        args = ["--host", host, "--core", core_address, "--socket", self.socket_path]
         if tls_cert and tls_key:
             args += ["--tls-cert", tls_cert, "--tls-key", tls_key]
-        self.proc = subprocess.Popen(
+        if count > 1:
+            args.append("--share-port")
+        self.port = self._start([*args, "--port", str(port)])
+        for _ in range(count - 1):
+            self._start([*args, "--port", str(self.port), "--joining"])
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.procs[0]
+
+    def _start(self, args: list[str]) -> int:
+        proc = subprocess.Popen(
             [sys.executable, "-m", "loraserve.inference_worker.relay.front", *args],
             stdin=subprocess.PIPE,  # held open while this process lives: the front ends with it
             stdout=subprocess.PIPE,
             text=True,
         )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
         if not line.startswith("listening "):
             self.stop()
-            message = line.removeprefix("error ") or f"the front process exited ({self.proc.returncode})"
+            message = line.removeprefix("error ") or f"the front process exited ({proc.returncode})"
             raise PortUnavailable(message)
-        self.port = int(line.split()[1])
-        self._stopping = False
+        return int(line.split()[1])
 
     def watch(self, on_exit: Callable[[int], None]) -> None:
-        """`on_exit(returncode)` (on a watcher thread) if the front ends before `stop`."""
+        """`on_exit(returncode)` (on a watcher thread) if a front ends before `stop`."""
 
-        def wait() -> None:
-            code = self.proc.wait()
+        def wait(proc: subprocess.Popen) -> None:
+            code = proc.wait()
             if not self._stopping:
                 on_exit(code)
 
-        threading.Thread(target=wait, name="relay-front-watch", daemon=True).start()
+        for proc in self.procs:
+            threading.Thread(target=wait, args=(proc,), name="relay-front-watch", daemon=True).start()
 
     def stop(self, exit_within: float = 0.0) -> None:
-        """End the front: it may first exit on its own within `exit_within` seconds (it does once
+        """End the fronts: each may first exit on its own within `exit_within` seconds (it does once
         the worker has closed the relay socket and its calls have ended), else its stdin is closed,
         which stops it at once; killed if it has not ended within STOP_WAIT_S."""
         self._stopping = True
-        if exit_within > 0:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(exit_within)
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # the front's signal to stop (it ignores SIGTERM)
+        end = time.monotonic() + exit_within
+        for proc in self.procs:
+            if exit_within > 0:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, end - time.monotonic()))
+        for proc in self.procs:  # all told at once, then waited for
+            if proc.poll() is None and proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()  # the front's signal to stop (it ignores SIGTERM)
+        for proc in self.procs:
             try:
-                self.proc.wait(STOP_WAIT_S)
+                proc.wait(STOP_WAIT_S)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
+                proc.kill()
+                proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
         shutil.rmtree(self._directory, ignore_errors=True)

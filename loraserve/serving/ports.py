@@ -3,7 +3,8 @@ per port, and a port that cannot be had is one clear error, `PortUnavailable`, w
 the whole story ("cannot listen on 127.0.0.1:50051: Address already in use").
 
 gRPC turns SO_REUSEPORT on by default: a second server on a busy port then binds too and the
-kernel spreads connections over both. `grpc_server` turns it off; `bind_grpc_port` checks the port
+kernel spreads connections over both. `grpc_server` turns it off (but for the processes of one
+group that share a port on purpose: a worker's front processes); `bind_grpc_port` checks the port
 with a plain socket first, so a busy one fails before gRPC logs its own lines about it.
 `listen_socket` is the same for a server that takes a ready socket (uvicorn's `sockets=`).
 """
@@ -17,10 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-# every loraserve gRPC server: one process per port
-NO_REUSEPORT = ("grpc.so_reuseport", 0)
-
 
 # The line a server prints once it listens ("adapter store listening on HOST:PORT (...)",
 # "worker ID listening on HOST:PORT ..."): a caller that started it on port 0 reads the bound
@@ -64,18 +61,30 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
 
 
 def grpc_server(
-    interceptors: Sequence[grpc.aio.ServerInterceptor] = (), options: Sequence[tuple[str, Any]] = ()
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    options: Sequence[tuple[str, Any]] = (),
+    share_port: bool = False,
 ) -> grpc.aio.Server:
-    """A grpc.aio server that cannot share its port with another process."""
-    return grpc.aio.server(interceptors=list(interceptors), options=[*options, NO_REUSEPORT])
+    """A grpc.aio server that cannot share its port with another process, unless `share_port`:
+    then the processes of one group (a worker's front processes) all bind it, SO_REUSEPORT on,
+    and the kernel spreads the clients' connections over them."""
+    return grpc.aio.server(
+        interceptors=list(interceptors), options=[*options, ("grpc.so_reuseport", int(share_port))]
+    )
 
 
 def bind_grpc_port(
-    server: grpc.aio.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    joining: bool = False,
 ) -> int:
     """Listen on host:port (port 0 picks one), with TLS when a certificate and key are given;
-    -> the bound port. Raises PortUnavailable."""
-    if port != 0:
+    -> the bound port. Raises PortUnavailable. `joining`: the port is already bound by the first
+    process of this one's group (`grpc_server(share_port=True)` in each), so it is not checked."""
+    if port != 0 and not joining:
         listen_socket(host, port).close()  # a busy port fails here, in one line
     address = _address(host, port)
     try:

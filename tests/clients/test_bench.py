@@ -16,10 +16,10 @@ from loraserve.adapter_store.demo import DemoAdapterSpec
 from loraserve.clients.bench.cli import bench_main
 from loraserve.clients.bench.results import RequestRecord, format_summary, percentiles, summarize
 from loraserve.clients.bench.runner import GeneratorLoad, RunLimits, Runner, run_benchmark
-from loraserve.clients.bench.targets import Chunk, TargetError
+from loraserve.clients.bench.targets import Chunk, Sampling, TargetError
 from loraserve.clients.bench.workload import BenchRequest, RequestStream, WorkloadSpec, adapter_ids
 from loraserve.clients.router import discover_workers
-from loraserve.clients.worker_client import WorkerClient
+from loraserve.clients.worker_client import Delta, WorkerClient
 from loraserve.inference_worker.server import BackgroundWorker
 from tests.helpers.lora_store import start_demo_store
 from tests.helpers.workers import worker_config
@@ -386,3 +386,37 @@ def test_two_generator_processes_drive_a_worker_with_the_seeded_stream(served, t
     ).take(n)
     assert [r["adapter_id"] for r in doc["requests"]] == [r.adapter_id for r in expected]
     assert [r["output_tokens"] for r in doc["requests"]] == [r.max_tokens for r in expected]
+
+
+def test_a_worker_target_takes_its_connections_in_turn(capsys) -> None:
+    from loraserve.clients.bench.targets import WorkerTarget
+
+    used: list[int] = []
+
+    class Client:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        async def generate_stream(self, prompt, **kw):
+            used.append(self.i)
+            yield Delta("r", "x", [1], finish_reason="length")
+
+    async def go() -> None:  # (grpc.aio channels belong to an event loop)
+        with pytest.raises(ValueError, match="connections must be >= 1"):
+            WorkerTarget("127.0.0.1:1", Sampling(), connections=0)
+        target = WorkerTarget("127.0.0.1:1", Sampling(), connections=3)
+        assert (
+            len({id(c.channel) for c in target.clients}) == 3 and "over 3 connections" in target.description
+        )
+        real = target.clients
+        target.clients = [Client(i) for i in range(3)]  # type: ignore[list-item]
+        for i in range(7):
+            req = BenchRequest(i, 0.0, "", [1, 2], 1)
+            assert [c.tokens async for c in target.stream(req)] == [1]
+        for client in real:
+            await client.close()
+
+    asyncio.run(go())
+    assert used == [0, 1, 2, 0, 1, 2, 0]
+    assert bench_main(["--worker", "127.0.0.1:1", "--connections", "0", "--num-requests", "1"]) != 0
+    assert "connections must be >= 1" in capsys.readouterr().err

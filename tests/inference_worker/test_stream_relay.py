@@ -19,6 +19,7 @@ import pytest
 from loraserve.clients.worker_client import build_request
 from loraserve.inference_worker.errors import DependencyUnavailable
 from loraserve.serving.ports import PortUnavailable
+from loraserve.v1 import worker_pb2_grpc
 from tests.helpers.workers import stub_for, wait_for, worker_config
 
 
@@ -200,3 +201,28 @@ def test_a_worker_whose_start_fails_stops_what_it_started(tiny_model_dir) -> Non
             asyncio.run(start_worker(config))
     assert len(gc.callbacks) == hooks
     assert not [t for t in threading.enumerate() if t.name == "engine-step"]
+
+
+def test_several_fronts_share_the_port_and_each_ends_the_worker(start_worker) -> None:
+    bg = start_worker(stream_process=True, stream_processes=2)
+    server = bg.server
+    assert len(server.front.procs) == 2 and all(p.poll() is None for p in server.front.procs)
+    assert wait_for(lambda: len(server.relay.calls_by_front) == 2)  # both connected to the relay
+    # clients on connections of their own: the kernel spreads them over the two fronts
+    channels = [
+        grpc.insecure_channel(bg.address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(16)
+    ]
+    try:
+        for channel in channels:
+            stub = worker_pb2_grpc.InferenceWorkerStub(channel)
+            got = list(stub.GenerateStream(build_request("Hello", max_tokens=3, ignore_eos=True), timeout=60))
+            assert sum(len(m.token_ids) for m in got) == 3 and got[-1].finish_reason
+    finally:
+        for channel in channels:
+            channel.close()
+    calls = server.relay.calls_by_front
+    assert sum(calls) == 16 and min(calls) >= 1, calls  # (16 connections on one front: 2 ** -15)
+    os.kill(server.front.procs[1].pid, signal.SIGKILL)  # either front's end is the worker's
+    assert wait_for(lambda: server.stopped.is_set())
+    assert isinstance(server.failure, DependencyUnavailable) and "front process exited" in str(server.failure)
+    assert wait_for(lambda: all(p.poll() is not None for p in server.front.procs))
