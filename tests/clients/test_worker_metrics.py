@@ -61,14 +61,19 @@ def test_a_stores_metrics_add_where_its_fetches_came_from() -> None:
     assert act.store_fetches == 4 and act.as_dict()["store_fetch_origins"] == act.store_origins
 
 
-def test_garbage_collections_by_generation_and_the_long_ones() -> None:
-    engine = SimpleNamespace(
+def _engine() -> SimpleNamespace:
+    """What WorkerMetrics reads from an engine, idle."""
+    return SimpleNamespace(
         num_waiting=0,
         num_running=0,
         num_free_blocks=0,
         step_observer=None,
         timing=SimpleNamespace(observer=None),
     )
+
+
+def test_garbage_collections_by_generation_and_the_long_ones() -> None:
+    engine = _engine()
     a, b = WorkerMetrics(engine), WorkerMetrics(engine)  # type: ignore[arg-type]
     gc.disable()  # (no collection of its own while it counts them)
     try:
@@ -103,13 +108,7 @@ def test_garbage_collections_by_generation_and_the_long_ones() -> None:
 
 
 def test_steps_by_what_ended_their_admission() -> None:
-    engine = SimpleNamespace(
-        num_waiting=0,
-        num_running=0,
-        num_free_blocks=0,
-        step_observer=None,
-        timing=SimpleNamespace(observer=None),
-    )
+    engine = _engine()
     m = WorkerMetrics(engine)  # type: ignore[arg-type]
     try:
         observe = engine.step_observer
