@@ -4,7 +4,8 @@ With --redis-url the live workers are read from their heartbeats every `route_re
 --worker address stands in while none heartbeats) and each request tries them in the order
 `WorkerRouter.candidates` gives: holders of the adapter first, least loaded first. A worker that
 answers UNAVAILABLE before streaming anything is marked down and the next one is tried. Calls go
-through grpc.aio clients, one per worker address, opened on the serving loop when first used."""
+through grpc.aio clients, `worker_connections` per worker address (each its own connection, taken
+in turn: a worker's front processes each get some), opened on the serving loop when first used."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 class Backend:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self._clients: dict[str, AsyncWorkerClient] = {}
+        self._clients: dict[str, list[AsyncWorkerClient]] = {}
+        self._turns: dict[str, int] = {}
         self._router: WorkerRouter | None = None
         self._fleet: tuple[str, ...] = ()
         self._discovered_at = float("-inf")
@@ -48,15 +50,23 @@ class Backend:
 
     # ------------------------------------------------------------------------------ workers
     def client(self, address: str) -> AsyncWorkerClient:
-        c = self._clients.get(address)
-        if c is None:
-            c = self._clients[address] = AsyncWorkerClient(
-                address,
-                token=self.config.worker_token,
-                timeout=self.config.request_timeout_s,
-                interceptors=tracing.client_interceptors(),  # the worker continues the request's trace
-            )
-        return c
+        """The next of the worker's clients in turn."""
+        clients = self._clients.get(address)
+        if clients is None:
+            n = self.config.worker_connections
+            clients = self._clients[address] = [
+                AsyncWorkerClient(
+                    address,
+                    token=self.config.worker_token,
+                    timeout=self.config.request_timeout_s,
+                    interceptors=tracing.client_interceptors(),  # the worker continues the request's trace
+                    own_connection=n > 1,
+                )
+                for _ in range(n)
+            ]
+        turn = self._turns.get(address, 0)
+        self._turns[address] = (turn + 1) % len(clients)
+        return clients[turn]
 
     async def _discover(self) -> None:
         """Rebuild the router when the set of live workers changed."""
@@ -165,8 +175,9 @@ class Backend:
         return [a async for a in self.store.list()]
 
     async def close(self) -> None:
-        for c in self._clients.values():
-            await c.close()
+        for clients in self._clients.values():
+            for c in clients:
+                await c.close()
         if self._store is not None:
             await self._store.close()
         if self._router is not None:

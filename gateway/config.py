@@ -30,6 +30,8 @@ _HELP = {
     "request_timeout_s": "deadline of one generation in seconds",
     "keep_alive_s": "seconds an idle client connection is kept open for its next request",
     "route_refresh_s": "seconds between reads of the fleet's residency and live workers",
+    "worker_connections": "connections to each worker, taken in turn by the generations (a worker with "
+    "several front processes, --stream-processes, gets each connection on one of them)",
     "otlp_endpoint": "export OpenTelemetry traces over OTLP/gRPC to this URL, e.g. http://collector:4317 "
     "(tracing is off when empty; needs the otlp extra)",
     "log_level": "logging level",
@@ -55,6 +57,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     keep_alive_s: float = 75.0
     route_refresh_s: float = 2.0
+    worker_connections: int = 1
     otlp_endpoint: str = ""
     log_level: str = "INFO"
 
@@ -64,7 +67,7 @@ class GatewayConfig:
             problems.append("give --worker (one worker) or --redis-url (the fleet)")
         if not 0 <= self.port <= 65535:
             problems.append(f"port {self.port} is out of range")
-        for name in ("max_body_bytes", "max_prompt_chars", "max_n", "max_stop"):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_n", "max_stop", "worker_connections"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
         for name in ("request_timeout_s", "route_refresh_s", "keep_alive_s"):
