@@ -12,6 +12,13 @@ def length_range(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--workdir", default="/tmp/loraserve-serving-bench", type=Path)
@@ -54,7 +61,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--connections",
-        type=int,
+        type=positive,
         default=1,
         help="connections to the worker per generator process of the N sweep, taken in turn (a worker "
         "with several front processes gets each connection on one of them)",

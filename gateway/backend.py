@@ -90,10 +90,11 @@ class Backend:
             if old is not None:
                 old.close()
 
-    async def candidates(self, adapter_id: str) -> list[tuple[AsyncWorkerClient, WorkerView | None]]:
-        """Workers to try for this adapter, best first."""
+    async def candidates(self, adapter_id: str) -> list[tuple[str, WorkerView | None]]:
+        """Workers to try for this adapter, best first: (address, the router's view or None). The
+        client of an attempt is taken (`client`) only when it is made, so each attempt is one turn."""
         if not self.config.redis_url:
-            return [(self.client(self.config.worker), None)]
+            return [(self.config.worker, None)]
         await self._discover()
         if self._router is None:
             raise grpc.aio.AioRpcError(
@@ -103,7 +104,7 @@ class Backend:
                 details="no inference worker is live (none heartbeats in Redis, and no --worker given)",
             )
         views = await asyncio.to_thread(self._router.candidates, adapter_id)
-        return [(self.client(v.address), v) for v in views]
+        return [(v.address, v) for v in views]
 
     def _mark_down(self, view: WorkerView | None) -> None:
         if view is not None and self._router is not None:
@@ -121,10 +122,10 @@ class Backend:
 
     async def generate(self, adapter_id: str, **kw: Any) -> Generation:
         last: grpc.RpcError | None = None
-        for client, view in await self.candidates(adapter_id):
+        for address, view in await self.candidates(adapter_id):
             try:
                 with self._routed(view):
-                    out = await client.generate(adapter_id=adapter_id, **kw)
+                    out = await self.client(address).generate(adapter_id=adapter_id, **kw)
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE:  # type: ignore[attr-defined]
                     raise
@@ -139,11 +140,11 @@ class Backend:
     async def stream(self, adapter_id: str, **kw: Any) -> AsyncGenerator[Delta, None]:
         """The deltas of one generation; closing this iterator cancels the worker's call."""
         last: grpc.RpcError | None = None
-        for client, view in await self.candidates(adapter_id):
+        for address, view in await self.candidates(adapter_id):
             started = False
             try:
                 # an async generator, typed as an iterator by the client
-                stream = client.generate_stream(adapter_id=adapter_id, **kw)
+                stream = self.client(address).generate_stream(adapter_id=adapter_id, **kw)
                 with self._routed(view):
                     async with aclosing(stream) as deltas:  # type: ignore[type-var]
                         async for delta in deltas:
@@ -164,8 +165,8 @@ class Backend:
     async def base_model(self) -> str:
         """The base model's name: --model-name, else what the (first) worker reports."""
         if not self._base_model:
-            client, _ = (await self.candidates(""))[0]
-            self._base_model = (await client.info()).model
+            address, _ = (await self.candidates(""))[0]
+            self._base_model = (await self.client(address).info()).model
         return self._base_model
 
     async def adapters(self) -> list[adapter_pb2.AdapterInfo]:

@@ -186,6 +186,8 @@ class WorkerConfig:
                 problems.append(f"{name} must be >= 0")
         if not 1 <= self.stream_processes <= 64:
             problems.append("stream_processes must be in [1, 64]")
+        elif self.stream_processes > 1 and not self.stream_process:
+            problems.append("stream_processes > 1 needs stream_process (the front processes)")
         if not 1 <= self.max_fetches <= 64:
             problems.append("max_fetches must be in [1, 64]")
         if self.preload_adapters.strip():

@@ -157,12 +157,7 @@ class WorkerServer:
         self.engine.start()
         if self.front is not None and self.relay is not None:
             await self.relay.start(self.front.socket_path)
-            try:
-                await asyncio.wait_for(self.relay.connected.wait(), FRONT_CONNECT_S)
-            except asyncio.TimeoutError:
-                raise DependencyUnavailable(
-                    f"the worker's front processes did not connect within {FRONT_CONNECT_S:.0f} s"
-                ) from None
+            await self._await_fronts()
 
             def on_front_exit(code: int) -> None:  # on a watcher thread
                 failure = DependencyUnavailable(f"the worker's front process exited ({code})")
@@ -205,6 +200,22 @@ class WorkerServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.stop(FAILED_GRACE_S)  # the calls in flight have all been ended
+
+    async def _await_fronts(self) -> None:
+        """Until every front has connected to the relay; a front that ends first (or the time
+        running out) fails the start with why."""
+        assert self.front is not None and self.relay is not None
+        end = time.monotonic() + FRONT_CONNECT_S
+        while not self.relay.connected.is_set():
+            ended = [p.returncode for p in self.front.procs if p.poll() is not None]
+            if ended:
+                raise DependencyUnavailable(f"the worker's front process exited ({ended[0]})")
+            if time.monotonic() > end:
+                raise DependencyUnavailable(
+                    f"the worker's front processes did not connect within {FRONT_CONNECT_S:.0f} s"
+                )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.relay.connected.wait(), 0.1)
 
     async def stop(self, grace: float | None = 0.0) -> None:
         """Stop the server and the engine (once; a second call waits for the first)."""

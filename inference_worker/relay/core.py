@@ -129,7 +129,7 @@ class RelayServer:
         self._writers: set[FrameWriter] = set()
         self.connected = asyncio.Event()  # every front has connected
         self._fronts, self._joined = fronts, 0
-        self.calls_by_front: list[int] = []  # calls relayed, by connection in the order they came
+        self.calls_by_connection: list[int] = []  # calls relayed by each connection, in the order they came
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._connection, path)
@@ -153,8 +153,8 @@ class RelayServer:
         self._joined += 1
         if self._joined >= self._fronts:
             self.connected.set()
-        front = len(self.calls_by_front)
-        self.calls_by_front.append(0)
+        connection = len(self.calls_by_connection)
+        self.calls_by_connection.append(0)
         out = FrameWriter(writer)
         self._writers.add(out)
         if self._tokenizer_json is not None:
@@ -164,7 +164,7 @@ class RelayServer:
             while (ops := await read_frame(reader)) is not None:
                 for op in ops:
                     if op[0] == "call":
-                        self.calls_by_front[front] += 1
+                        self.calls_by_connection[connection] += 1
                         calls[op[1]] = task = asyncio.ensure_future(self._call(out, *op[1:]))
                         task.add_done_callback(functools.partial(_forget, calls, op[1]))
                     elif op[0] == "cancel" and (running := calls.get(op[1])) is not None:

@@ -85,18 +85,19 @@ class FrontProcess:
         the worker has closed the relay socket and its calls have ended), else its stdin is closed,
         which stops it at once; killed if it has not ended within STOP_WAIT_S."""
         self._stopping = True
-        end = time.monotonic() + exit_within
-        for proc in self.procs:
-            if exit_within > 0:
+        if exit_within > 0:
+            end = time.monotonic() + exit_within
+            for proc in self.procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(max(0.0, end - time.monotonic()))
-        for proc in self.procs:  # all told at once, then waited for
+        for proc in self.procs:  # all told at once, then waited for, within one deadline
             if proc.poll() is None and proc.stdin is not None:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()  # the front's signal to stop (it ignores SIGTERM)
+        end = time.monotonic() + STOP_WAIT_S
         for proc in self.procs:
             try:
-                proc.wait(STOP_WAIT_S)
+                proc.wait(max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

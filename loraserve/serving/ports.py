@@ -5,7 +5,9 @@ the whole story ("cannot listen on 127.0.0.1:50051: Address already in use").
 gRPC turns SO_REUSEPORT on by default: a second server on a busy port then binds too and the
 kernel spreads connections over both. `grpc_server` turns it off (but for the processes of one
 group that share a port on purpose: a worker's front processes); `bind_grpc_port` checks the port
-with a plain socket first, so a busy one fails before gRPC logs its own lines about it.
+with a plain socket first, so a busy one fails before gRPC logs its own lines about it. A port that
+a group shares with SO_REUSEPORT can be joined by any other process of the same user that turns it
+on too (Linux allows no other user's): give each worker a port of its own.
 `listen_socket` is the same for a server that takes a ready socket (uvicorn's `sockets=`).
 """
 
@@ -84,6 +86,8 @@ def bind_grpc_port(
     """Listen on host:port (port 0 picks one), with TLS when a certificate and key are given;
     -> the bound port. Raises PortUnavailable. `joining`: the port is already bound by the first
     process of this one's group (`grpc_server(share_port=True)` in each), so it is not checked."""
+    if joining and port == 0:
+        raise ValueError("joining a group's port needs the port the first process bound")
     if port != 0 and not joining:
         listen_socket(host, port).close()  # a busy port fails here, in one line
     address = _address(host, port)

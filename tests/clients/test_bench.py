@@ -16,7 +16,7 @@ from loraserve.adapter_store.demo import DemoAdapterSpec
 from loraserve.clients.bench.cli import bench_main
 from loraserve.clients.bench.results import RequestRecord, format_summary, percentiles, summarize
 from loraserve.clients.bench.runner import GeneratorLoad, RunLimits, Runner, run_benchmark
-from loraserve.clients.bench.targets import Chunk, Sampling, TargetError
+from loraserve.clients.bench.targets import Chunk, Sampling, TargetError, WorkerTarget
 from loraserve.clients.bench.workload import BenchRequest, RequestStream, WorkloadSpec, adapter_ids
 from loraserve.clients.router import discover_workers
 from loraserve.clients.worker_client import Delta, WorkerClient
@@ -388,9 +388,17 @@ def test_two_generator_processes_drive_a_worker_with_the_seeded_stream(served, t
     assert [r["output_tokens"] for r in doc["requests"]] == [r.max_tokens for r in expected]
 
 
-def test_a_worker_target_takes_its_connections_in_turn(capsys) -> None:
-    from loraserve.clients.bench.targets import WorkerTarget
+def test_a_worker_target_takes_its_connections_in_turn(capsys, monkeypatch) -> None:
+    from loraserve.clients import worker_client
 
+    opened: list = []
+    real_open = worker_client.open_aio_channel
+
+    def recording_open(address, **kw):
+        opened.append(kw.get("options", ()))
+        return real_open(address, **kw)
+
+    monkeypatch.setattr(worker_client.AsyncWorkerClient, "_open", staticmethod(recording_open))
     used: list[int] = []
 
     class Client:
@@ -404,10 +412,13 @@ def test_a_worker_target_takes_its_connections_in_turn(capsys) -> None:
     async def go() -> None:  # (grpc.aio channels belong to an event loop)
         with pytest.raises(ValueError, match="connections must be >= 1"):
             WorkerTarget("127.0.0.1:1", Sampling(), connections=0)
+        one = WorkerTarget("127.0.0.1:1", Sampling())
+        await one.close()
         target = WorkerTarget("127.0.0.1:1", Sampling(), connections=3)
-        assert (
-            len({id(c.channel) for c in target.clients}) == 3 and "over 3 connections" in target.description
-        )
+        assert "over 3 connections" in target.description
+        # several: each its own connection (not gRPC's process-wide shared one); one: the shared one
+        own = ("grpc.use_local_subchannel_pool", 1)
+        assert own not in opened[0] and all(own in options for options in opened[1:]) and len(opened) == 4
         real = target.clients
         target.clients = [Client(i) for i in range(3)]  # type: ignore[list-item]
         for i in range(7):

@@ -203,11 +203,12 @@ def test_a_worker_whose_start_fails_stops_what_it_started(tiny_model_dir) -> Non
     assert not [t for t in threading.enumerate() if t.name == "engine-step"]
 
 
-def test_several_fronts_share_the_port_and_each_ends_the_worker(start_worker) -> None:
+@pytest.mark.parametrize("killed", [0, 1], ids=["first", "joining"])
+def test_several_fronts_share_the_port_and_each_ends_the_worker(start_worker, killed: int) -> None:
     bg = start_worker(stream_process=True, stream_processes=2)
     server = bg.server
     assert len(server.front.procs) == 2 and all(p.poll() is None for p in server.front.procs)
-    assert wait_for(lambda: len(server.relay.calls_by_front) == 2)  # both connected to the relay
+    assert wait_for(lambda: len(server.relay.calls_by_connection) == 2)  # both connected to the relay
     # clients on connections of their own: the kernel spreads them over the two fronts
     channels = [
         grpc.insecure_channel(bg.address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(16)
@@ -220,9 +221,25 @@ def test_several_fronts_share_the_port_and_each_ends_the_worker(start_worker) ->
     finally:
         for channel in channels:
             channel.close()
-    calls = server.relay.calls_by_front
+    calls = server.relay.calls_by_connection
     assert sum(calls) == 16 and min(calls) >= 1, calls  # (16 connections on one front: 2 ** -15)
-    os.kill(server.front.procs[1].pid, signal.SIGKILL)  # either front's end is the worker's
+    os.kill(server.front.procs[killed].pid, signal.SIGKILL)  # either front's end is the worker's
     assert wait_for(lambda: server.stopped.is_set())
     assert isinstance(server.failure, DependencyUnavailable) and "front process exited" in str(server.failure)
     assert wait_for(lambda: all(p.poll() is not None for p in server.front.procs))
+
+
+def test_a_taken_port_fails_every_front_and_leaves_nothing(tiny_model_dir) -> None:
+    from loraserve.inference_worker.relay.launch import FrontProcess
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(PortUnavailable):
+            FrontProcess("127.0.0.1", taken.getsockname()[1], "127.0.0.1:1", count=2)
+    front = FrontProcess("127.0.0.1", 0, "127.0.0.1:1", count=3)  # port 0: the first picks, the rest join
+    try:
+        assert len(front.procs) == 3 and all(p.poll() is None for p in front.procs) and front.port > 0
+    finally:
+        front.stop()
+    assert all(p.poll() is not None for p in front.procs) and not os.path.exists(front.socket_path)
