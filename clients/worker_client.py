@@ -344,3 +344,28 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
     async def list_adapters(self) -> list[worker_pb2.WorkerAdapter]:
         r = await self.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=self.timeout)
         return list(r.adapters)
+
+
+class ClientTurns:
+    """`connections` asyncio clients of one worker, each on a connection of its own when there
+    are several (gRPC otherwise shares one connection per address in a process), taken in turn:
+    a worker with several front processes (--stream-processes) gets each connection on one of
+    them. `kw` are AsyncWorkerClient's arguments."""
+
+    def __init__(self, address: str, connections: int = 1, **kw: Any) -> None:
+        if connections < 1:
+            raise ValueError("connections must be >= 1")
+        self.clients = [
+            AsyncWorkerClient(address, own_connection=connections > 1, **kw) for _ in range(connections)
+        ]
+        self._turn = 0
+
+    def next(self) -> AsyncWorkerClient:
+        """The client of the next call."""
+        client = self.clients[self._turn]
+        self._turn = (self._turn + 1) % len(self.clients)
+        return client
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()

@@ -20,7 +20,7 @@ import grpc
 
 from loraserve.clients.router import WorkerRouter, WorkerView, discover_workers
 from loraserve.clients.store_client import AsyncStoreClient
-from loraserve.clients.worker_client import AsyncWorkerClient, Delta, Generation
+from loraserve.clients.worker_client import AsyncWorkerClient, ClientTurns, Delta, Generation
 from loraserve.gateway.config import GatewayConfig
 from loraserve.serving import tracing
 from loraserve.v1 import adapter_pb2
@@ -32,8 +32,7 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 class Backend:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self._clients: dict[str, list[AsyncWorkerClient]] = {}
-        self._turns: dict[str, int] = {}
+        self._clients: dict[str, ClientTurns] = {}
         self._router: WorkerRouter | None = None
         self._fleet: tuple[str, ...] = ()
         self._discovered_at = float("-inf")
@@ -51,22 +50,16 @@ class Backend:
     # ------------------------------------------------------------------------------ workers
     def client(self, address: str) -> AsyncWorkerClient:
         """The next of the worker's clients in turn."""
-        clients = self._clients.get(address)
-        if clients is None:
-            n = self.config.worker_connections
-            clients = self._clients[address] = [
-                AsyncWorkerClient(
-                    address,
-                    token=self.config.worker_token,
-                    timeout=self.config.request_timeout_s,
-                    interceptors=tracing.client_interceptors(),  # the worker continues the request's trace
-                    own_connection=n > 1,
-                )
-                for _ in range(n)
-            ]
-        turn = self._turns.get(address, 0)
-        self._turns[address] = (turn + 1) % len(clients)
-        return clients[turn]
+        turns = self._clients.get(address)
+        if turns is None:
+            turns = self._clients[address] = ClientTurns(
+                address,
+                self.config.worker_connections,
+                token=self.config.worker_token,
+                timeout=self.config.request_timeout_s,
+                interceptors=tracing.client_interceptors(),  # the worker continues the request's trace
+            )
+        return turns.next()
 
     async def _discover(self) -> None:
         """Rebuild the router when the set of live workers changed."""
@@ -176,9 +169,8 @@ class Backend:
         return [a async for a in self.store.list()]
 
     async def close(self) -> None:
-        for clients in self._clients.values():
-            for c in clients:
-                await c.close()
+        for turns in self._clients.values():
+            await turns.close()
         if self._store is not None:
             await self._store.close()
         if self._router is not None:

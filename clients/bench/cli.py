@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
         "--connections",
         type=int,
         default=1,
-        help="connections to one --worker, taken in turn by the requests (a worker with several front "
+        help="connections to each worker, taken in turn by the requests (a worker with several front "
         "processes, --stream-processes, gets each connection on one of them)",
     )
     add_tls_args(t)
@@ -171,7 +171,9 @@ def build_target(args: argparse.Namespace) -> Target:
             tls=args.tls,
             connections=args.connections,
         )
-    return RouterTarget(addresses, sampling, token=args.token, tls_ca=args.tls_ca, tls=args.tls)
+    return RouterTarget(
+        addresses, sampling, token=args.token, tls_ca=args.tls_ca, tls=args.tls, connections=args.connections
+    )
 
 
 def build_spec(args: argparse.Namespace, vocab_size: int | None) -> WorkloadSpec:

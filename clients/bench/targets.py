@@ -13,7 +13,7 @@ import grpc
 
 from loraserve.clients.bench.workload import BenchRequest
 from loraserve.clients.router import WorkerRouter
-from loraserve.clients.worker_client import AsyncWorkerClient, Delta
+from loraserve.clients.worker_client import AsyncWorkerClient, ClientTurns, Delta
 
 
 @dataclass(frozen=True)
@@ -95,18 +95,12 @@ class WorkerTarget:
         tls: bool = False,
         connections: int = 1,
     ) -> None:
-        if connections < 1:
-            raise ValueError("connections must be >= 1")
         self.address, self.sampling = address, sampling
+        self.turns = ClientTurns(address, connections, token=token, tls_ca=tls_ca, tls=tls)
         self.description = f"worker {address}" + (
             f" over {connections} connections" if connections > 1 else ""
         )
-        self.clients = [
-            AsyncWorkerClient(address, token=token, tls_ca=tls_ca, tls=tls, own_connection=connections > 1)
-            for _ in range(connections)
-        ]
-        self.client = self.clients[0]
-        self._turn = 0
+        self.client = self.turns.clients[0]
 
     async def start(self) -> None:
         try:
@@ -119,17 +113,14 @@ class WorkerTarget:
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[Chunk]:
         s = self.sampling
-        client = self.clients[self._turn]
-        self._turn = (self._turn + 1) % len(self.clients)
         try:
-            async for delta in _generate(client, request, s):
+            async for delta in _generate(self.turns.next(), request, s):
                 yield _chunk(delta, self.address)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc) from None
 
     async def close(self) -> None:
-        for client in self.clients:
-            await client.close()
+        await self.turns.close()
 
 
 class RouterTarget:
@@ -145,11 +136,12 @@ class RouterTarget:
         token: str | None = None,
         tls_ca=None,
         tls: bool = False,
+        connections: int = 1,
     ) -> None:
         self.sampling = sampling
         self.router = WorkerRouter(addresses, token=token, tls_ca=tls_ca, tls=tls)
         self.clients = {
-            w.address: AsyncWorkerClient(w.address, token=token, tls_ca=tls_ca, tls=tls)
+            w.address: ClientTurns(w.address, connections, token=token, tls_ca=tls_ca, tls=tls)
             for w in self.router.workers
         }
         self.description = f"router over {len(self.clients)} worker(s)"
@@ -158,9 +150,9 @@ class RouterTarget:
         await asyncio.to_thread(self.router.candidates)
 
     async def vocab_size(self) -> int | None:
-        for client in self.clients.values():
+        for turns in self.clients.values():
             try:
-                return int((await client.info()).vocab_size) or None
+                return int((await turns.next().info()).vocab_size) or None
             except grpc.aio.AioRpcError:
                 continue
         return None
@@ -174,7 +166,7 @@ class RouterTarget:
             started = False
             try:
                 with self.router.routed(w):
-                    async for delta in _generate(self.clients[w.address], request, s):
+                    async for delta in _generate(self.clients[w.address].next(), request, s):
                         started = True
                         yield _chunk(delta, w.address)
             except grpc.aio.AioRpcError as exc:
@@ -189,6 +181,6 @@ class RouterTarget:
         raise _rpc_error(last)
 
     async def close(self) -> None:
-        for client in self.clients.values():
-            await client.close()
+        for turns in self.clients.values():
+            await turns.close()
         self.router.close()

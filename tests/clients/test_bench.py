@@ -419,8 +419,8 @@ def test_a_worker_target_takes_its_connections_in_turn(capsys, monkeypatch) -> N
         # several: each its own connection (not gRPC's process-wide shared one); one: the shared one
         own = ("grpc.use_local_subchannel_pool", 1)
         assert own not in opened[0] and all(own in options for options in opened[1:]) and len(opened) == 4
-        real = target.clients
-        target.clients = [Client(i) for i in range(3)]  # type: ignore[list-item]
+        real = target.turns.clients
+        target.turns.clients = [Client(i) for i in range(3)]  # type: ignore[list-item]
         for i in range(7):
             req = BenchRequest(i, 0.0, "", [1, 2], 1)
             assert [c.tokens async for c in target.stream(req)] == [1]

@@ -63,9 +63,15 @@ def test_each_worker_takes_its_connections_in_turn_whatever_the_router_s_order()
         candidates=candidates, routed=lambda v: contextlib.nullcontext(), note_use=lambda v, a: None
     )
     backend._discovered_at = float("inf")  # (no Redis read)
-    backend._clients = {a: [Client(a, i, used) for i in range(2)] for a in ("a:1", "b:1")}  # type: ignore[misc]
 
     async def go() -> None:
+        for a in ("a:1", "b:1"):  # the backend's own clients, each answering as a fake
+            real = backend.client(a)  # (opened on the loop; its turns start over below)
+            turns = backend._clients[a]
+            await turns.close()
+            assert real in turns.clients and len(turns.clients) == 2
+            turns.clients = [Client(a, i, used) for i in range(2)]  # type: ignore[list-item]
+            turns._turn = 0
         for _ in range(8):
             assert await backend.generate("x") == "done"
 
