@@ -157,7 +157,7 @@ def test_run_through_the_router_sends_adapters_to_their_homes(served, tmp_path: 
             "--worker", ",".join(w.address for w in workers),
             *[a for w in workers for a in ("--metrics-url", _metrics_url(w))],
             "--num-adapters", str(NUM_ADAPTERS), "--adapter-format", "bench-{i}",
-            "--concurrency", "4", "--num-requests", "30",
+            "--concurrency", "4", "--num-requests", "30", "--connections", "2",
             "--prompt-len", "4", "--output-len", "2", "--seed", "9",
             "--result-json", str(out), "--save-requests", "--progress-interval", "0",
         ]
@@ -165,7 +165,7 @@ def test_run_through_the_router_sends_adapters_to_their_homes(served, tmp_path: 
     assert rc == 0
     doc = json.loads(out.read_text())
     s = doc["summary"]
-    assert s["completed"] == 30
+    assert s["completed"] == 30  # (each worker over two connections of its own)
     # an adapter held nowhere goes to its rendezvous home, which then holds it (and nothing else
     # does: no prefetch), and no worker is loaded past the imbalance bound at this concurrency:
     # every request went to its adapter's home (which worker that is depends on the ports)
