@@ -275,7 +275,10 @@ class Bench:
             phases: dict[str, dict] = {}
             # one generator process: one router, whose residency and load are its own choices
             routed = functools.partial(
-                self.load, functools.partial(RouterTarget, both, Sampling(timeout_s=600)), ids, processes=1
+                self.load,
+                functools.partial(RouterTarget, both, Sampling(timeout_s=600), connections=a.connections),
+                ids,
+                processes=1,
             )
             phases["warm"] = routed(rate=None, duration=a.prefetch_warmup, seed=7, metrics=metrics)
             held_before = holdings(both)

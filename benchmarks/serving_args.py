@@ -63,8 +63,8 @@ def parser(description: str) -> argparse.ArgumentParser:
         "--connections",
         type=positive,
         default=1,
-        help="connections to the worker per generator process of the N sweep, taken in turn (a worker "
-        "with several front processes gets each connection on one of them)",
+        help="connections to each worker per generator process, taken in turn (a worker with several "
+        "front processes gets each connection on one of them)",
     )
     p.add_argument("--prefetch", type=int, default=32, help="adapters prefetched per round when on")
     p.add_argument("--prefetch-duration", type=float, default=15.0, help="0 = skip the two-worker runs")

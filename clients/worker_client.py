@@ -350,7 +350,7 @@ class ClientTurns:
     """`connections` asyncio clients of one worker, each on a connection of its own when there
     are several (gRPC otherwise shares one connection per address in a process), taken in turn:
     a worker with several front processes (--stream-processes) gets each connection on one of
-    them. `kw` are AsyncWorkerClient's arguments."""
+    them. `kw` are AsyncWorkerClient's arguments but `own_connection`, which this sets."""
 
     def __init__(self, address: str, connections: int = 1, **kw: Any) -> None:
         if connections < 1:

@@ -33,6 +33,8 @@ class Backend:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self._clients: dict[str, ClientTurns] = {}
+        # the clients of workers that left, each closed by its task once its calls are over
+        self._retiring: dict[asyncio.Task[None], ClientTurns] = {}
         self._router: WorkerRouter | None = None
         self._fleet: tuple[str, ...] = ()
         self._discovered_at = float("-inf")
@@ -82,6 +84,20 @@ class Backend:
             self._fleet = fleet
             if old is not None:
                 old.close()
+            for address in [a for a in self._clients if a not in fleet and a != self.config.worker]:
+                self._retire(self._clients.pop(address))
+
+    def _retire(self, turns: ClientTurns) -> None:
+        """Close a departed worker's clients once the calls that may still run on them are over
+        (no call outlives request_timeout_s); a worker that comes back gets new ones."""
+
+        async def later() -> None:
+            await asyncio.sleep(self.config.request_timeout_s)
+            await turns.close()
+
+        task = asyncio.ensure_future(later())
+        self._retiring[task] = turns
+        task.add_done_callback(lambda t: self._retiring.pop(t, None))
 
     async def candidates(self, adapter_id: str) -> list[tuple[str, WorkerView | None]]:
         """Workers to try for this adapter, best first: (address, the router's view or None). The
@@ -171,7 +187,13 @@ class Backend:
     async def close(self) -> None:
         for turns in self._clients.values():
             await turns.close()
+        self._clients.clear()
+        for task, turns in list(self._retiring.items()):  # their calls end with the server
+            task.cancel()
+            await turns.close()
         if self._store is not None:
             await self._store.close()
+            self._store = None
         if self._router is not None:
             self._router.close()
+            self._router = None

@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="connections to each worker, taken in turn by the requests (a worker with several front "
-        "processes, --stream-processes, gets each connection on one of them)",
+        "processes, --stream-processes, gets each connection on one of them); not with --openai-url",
     )
     add_tls_args(t)
 

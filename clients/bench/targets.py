@@ -81,6 +81,9 @@ def _rpc_error(exc: grpc.aio.AioRpcError) -> TargetError:
     return TargetError(exc.code().name, exc.details() or "")
 
 
+CONNECT_S = 10.0  # for a target's further connections, once its first has answered
+
+
 class WorkerTarget:
     """One worker over gRPC (GenerateStream), over `connections` connections of its own taken in
     turn (a worker with several front processes gets each connection on one of them)."""
@@ -107,6 +110,14 @@ class WorkerTarget:
             await self.client.info()
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc) from None
+        # the other connections too, so no request of the run pays for opening one
+        others = [c.channel.channel_ready() for c in self.turns.clients[1:]]
+        try:
+            await asyncio.wait_for(asyncio.gather(*others), CONNECT_S)
+        except asyncio.TimeoutError:
+            raise TargetError(
+                "UNAVAILABLE", f"not all {len(self.turns.clients)} connections opened"
+            ) from None
 
     async def vocab_size(self) -> int | None:
         return int((await self.client.info()).vocab_size) or None
@@ -138,21 +149,25 @@ class RouterTarget:
         tls: bool = False,
         connections: int = 1,
     ) -> None:
+        if connections < 1:  # (before the router opens its channels)
+            raise ValueError("connections must be >= 1")
         self.sampling = sampling
         self.router = WorkerRouter(addresses, token=token, tls_ca=tls_ca, tls=tls)
-        self.clients = {
+        self.turns = {
             w.address: ClientTurns(w.address, connections, token=token, tls_ca=tls_ca, tls=tls)
             for w in self.router.workers
         }
-        self.description = f"router over {len(self.clients)} worker(s)"
+        self.description = f"router over {len(self.turns)} worker(s)" + (
+            f", {connections} connections each" if connections > 1 else ""
+        )
 
     async def start(self) -> None:
         await asyncio.to_thread(self.router.candidates)
 
     async def vocab_size(self) -> int | None:
-        for turns in self.clients.values():
+        for turns in self.turns.values():
             try:
-                return int((await turns.next().info()).vocab_size) or None
+                return int((await turns.clients[0].info()).vocab_size) or None
             except grpc.aio.AioRpcError:
                 continue
         return None
@@ -166,7 +181,7 @@ class RouterTarget:
             started = False
             try:
                 with self.router.routed(w):
-                    async for delta in _generate(self.clients[w.address].next(), request, s):
+                    async for delta in _generate(self.turns[w.address].next(), request, s):
                         started = True
                         yield _chunk(delta, w.address)
             except grpc.aio.AioRpcError as exc:
@@ -181,6 +196,6 @@ class RouterTarget:
         raise _rpc_error(last)
 
     async def close(self) -> None:
-        for turns in self.clients.values():
+        for turns in self.turns.values():
             await turns.close()
         self.router.close()

@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from loraserve.adapter_store.demo import DemoAdapterSpec
@@ -89,7 +90,7 @@ def test_run_against_a_worker_reports_counts_latencies_and_tier_activity(served,
             "--metrics-url", _metrics_url(worker),
             "--num-adapters", str(NUM_ADAPTERS), "--adapter-format", "bench-{i}",
             "--popularity", "zipf", "--zipf-exponent", "1.0", "--base-share", "0.2",
-            "--rate", "40", "--num-requests", str(n),
+            "--rate", "40", "--num-requests", str(n), "--connections", "2",
             "--prompt-len", "4:12", "--output-len", "3:6",
             "--seed", "3", "--slo-ttft-ms", "60000",
             "--result-json", str(out), "--save-requests", "--progress-interval", "0",
@@ -431,3 +432,39 @@ def test_a_worker_target_takes_its_connections_in_turn(capsys, monkeypatch) -> N
     assert used == [0, 1, 2, 0, 1, 2, 0]
     assert bench_main(["--worker", "127.0.0.1:1", "--connections", "0", "--num-requests", "1"]) != 0
     assert "connections must be >= 1" in capsys.readouterr().err
+
+
+def test_client_turns_and_a_router_target_over_several_connections(monkeypatch) -> None:
+    from loraserve.clients import worker_client
+    from loraserve.clients.bench.targets import RouterTarget
+    from loraserve.clients.worker_client import ClientTurns
+
+    opened: list = []
+    real_open = worker_client.open_aio_channel
+
+    def recording_open(address, **kw):
+        opened.append((address, kw.get("options", ())))
+        return real_open(address, **kw)
+
+    monkeypatch.setattr(worker_client.AsyncWorkerClient, "_open", staticmethod(recording_open))
+    own = ("grpc.use_local_subchannel_pool", 1)
+
+    async def go() -> None:
+        with pytest.raises(ValueError, match="connections must be >= 1"):
+            ClientTurns("127.0.0.1:1", 0)
+        turns = ClientTurns("127.0.0.1:1", 3)
+        assert [turns.next() for _ in range(4)] == [*turns.clients, turns.clients[0]]
+        await turns.close()
+        assert all(c.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN for c in turns.clients)
+        with pytest.raises(ValueError, match="connections must be >= 1"):
+            RouterTarget(["127.0.0.1:1"], Sampling(), connections=0)
+        opened.clear()
+        router = RouterTarget(["127.0.0.1:1", "127.0.0.1:2"], Sampling(), connections=2)
+        try:
+            assert "2 connections each" in router.description
+            # two of its own for each worker
+            assert sorted(a for a, o in opened if own in o) == ["127.0.0.1:1"] * 2 + ["127.0.0.1:2"] * 2
+        finally:
+            await router.close()
+
+    asyncio.run(go())

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from loraserve.gateway.backend import Backend
@@ -83,3 +84,28 @@ def test_each_worker_takes_its_connections_in_turn_whatever_the_router_s_order()
 def test_worker_connections_must_be_positive() -> None:
     with pytest.raises(ValueError, match="worker_connections must be positive"):
         GatewayConfig(worker="127.0.0.1:1", worker_connections=0)
+
+
+def test_a_departed_worker_s_clients_close_once_their_calls_are_over(monkeypatch) -> None:
+    import loraserve.gateway.backend as backend_module
+
+    fleets = [["a:1", "b:1"], ["a:1"]]
+    monkeypatch.setattr(backend_module, "discover_workers", lambda url, prefix: fleets.pop(0))
+    backend = Backend(
+        GatewayConfig(redis_url="redis://127.0.0.1:1", worker_connections=2, request_timeout_s=0.2)
+    )
+
+    async def go() -> None:
+        await backend._discover()
+        a, b = backend.client("a:1"), backend.client("b:1")
+        backend._discovered_at = float("-inf")
+        await backend._discover()  # b left the fleet
+        assert list(backend._clients) == ["a:1"] and backend.client("a:1") is not a  # (a's next turn)
+        shut = grpc.ChannelConnectivity.SHUTDOWN
+        assert b.channel.get_state() != shut  # a call on it may still run
+        await asyncio.sleep(0.4)
+        assert b.channel.get_state() == shut and not backend._retiring
+        await backend.close()
+        assert a.channel.get_state() == shut and not backend._clients
+
+    asyncio.run(go())
