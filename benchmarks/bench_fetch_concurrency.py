@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_fetch_contention import SHAPES  # noqa: E402
 from bench_store import store_with_adapters  # noqa: E402
+from serving_probes import child_pids  # noqa: E402
 
 from loraserve.inference_worker.adapters.store_source import StoreSource  # noqa: E402
 
@@ -59,18 +60,6 @@ def busiest_ms(before: dict[int, float], after: dict[int, float], fetches: int) 
     """CPU ms per fetch of the thread that spent the most: a thread that does a serial share of
     every fetch caps the rate at 1 / this."""
     return round(1e3 * max((after[t] - before.get(t, 0.0) for t in after), default=0.0) / fetches, 1)
-
-
-def child_pids(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def nearest_rank(values: list[float], q: float) -> float:

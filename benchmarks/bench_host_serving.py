@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serving_fleet import LISTENING  # noqa: E402
-from serving_probes import proc_stat  # noqa: E402
+from serving_probes import child_pids, proc_stat  # noqa: E402
 
 from loraserve.clients.bench.cli import length_range  # noqa: E402
 from loraserve.clients.bench.runner import RunLimits, run_benchmark  # noqa: E402
@@ -84,12 +85,9 @@ def cpu_ticks(pid: int, tid: int | None = None) -> int:
 def children_ticks(pid: int) -> int:
     """CPU ticks of the processes `pid` started (a `--stream-process` front, the fetch process)."""
     total = 0
-    for path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid, ticks, _ = proc_stat(path)
-        except OSError:  # gone meanwhile
-            continue
-        total += ticks if ppid == pid else 0
+    for child in child_pids(pid):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            total += cpu_ticks(child)
     return total
 
 
@@ -169,13 +167,10 @@ def main() -> int:
             address, metrics = f"{found.group(1)}:{found.group(2)}", f"{found.group(3)}:{found.group(4)}"
             os.sched_setaffinity(0, {client_core})
             if args.worker_alone:  # its front and fetch processes beside the client instead
-                for path in Path("/proc").glob("[0-9]*/stat"):
-                    try:
-                        if proc_stat(path)[0] == proc.pid:  # every thread: each has its own mask
-                            for task in (path.parent / "task").iterdir():
-                                os.sched_setaffinity(int(task.name), {client_core})
-                    except OSError:
-                        continue
+                for child in child_pids(proc.pid):  # every thread: each has its own mask
+                    with contextlib.suppress(OSError):
+                        for task in Path(f"/proc/{child}/task").iterdir():
+                            os.sched_setaffinity(int(task.name), {client_core})
             asyncio.run(drive(address, args, args.warmup))
             step_tid = int(tid_file.read_text())
             spy = None

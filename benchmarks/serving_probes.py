@@ -97,6 +97,17 @@ def proc_stat(stat: Path) -> tuple[int, int, str]:
     return int(fields[1]), int(fields[11]) + int(fields[12]), fields[0]
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live (not ended) processes `pid` started, from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):  # (gone meanwhile)
+            ppid, _, state = proc_stat(stat)
+            if ppid == pid and state != "Z":
+                out.append(int(stat.parent.name))
+    return out
+
+
 def _role(pid: int) -> str:
     """A short name for a process from its command line: the module or script it runs (with the
     subcommand of `loraserve.cli`: worker, store, ...)."""
@@ -137,13 +148,11 @@ class ProcessCpu:
             for task in Path(f"/proc/{self.worker_pid}/task").iterdir():
                 with contextlib.suppress(OSError):
                     out[f"worker thread {task.name}"] = proc_stat(task / "stat")[1]
-        parents = {self.worker_pid: "worker's", os.getpid(): "benchmark's"}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, ValueError):
-                ppid, ticks, state = proc_stat(stat)
-                pid = int(stat.parent.name)
-                if ppid in parents and pid != self.worker_pid and state != "Z":  # (not the ended)
-                    out[f"{parents[ppid]} {_role(pid)} {pid}"] = ticks
+        for parent, name in ((self.worker_pid, "worker's"), (os.getpid(), "benchmark's")):
+            for pid in child_pids(parent):
+                if pid != self.worker_pid:
+                    with contextlib.suppress(OSError):
+                        out[f"{name} {_role(pid)} {pid}"] = proc_stat(Path(f"/proc/{pid}/stat"))[1]
         return out
 
     def _run(self) -> None:

@@ -152,11 +152,6 @@ def activity(
 ) -> AdapterActivity:
     """The adapter activity between two scrapes of the same workers (in the same order)."""
     pairs = list(zip(before, after, strict=True))
-    every = [_by_label(b, a, LOADS, "tier") for b, a in pairs]
-    ok = [_by_label(b, a, LOADS, "tier", result="ok") for b, a in pairs]
-    failed = [
-        {t: n - o.get(t, 0) for t, n in e.items() if n > o.get(t, 0)} for e, o in zip(every, ok, strict=True)
-    ]
 
     def exact(name: str) -> float:
         return sum(a.get((name, ()), 0.0) - b.get((name, ()), 0.0) for b, a in pairs)
@@ -164,34 +159,39 @@ def activity(
     def delta(name: str) -> int:  # a count
         return round(exact(name))
 
-    loads_n = _sum([_by_label(b, a, LOAD_SECONDS + "_count", "tier") for b, a in pairs])
-    gc_n = _sum([_by_label(b, a, GC_PAUSE + "_count", "generation") for b, a in pairs])
-    # (a bucket summed over the generations: collections up to its bound)
-    gc_short = _sum([_by_label(b, a, GC_PAUSE + "_bucket", "le") for b, a in pairs])
-    gc_s = _sum_float([_by_label(b, a, GC_PAUSE + "_sum", "generation", exact=True) for b, a in pairs])
-    loads_s = _sum_float([_by_label(b, a, LOAD_SECONDS + "_sum", "tier", exact=True) for b, a in pairs])
+    def by(name: str, label: str) -> dict[str, int]:
+        """The change of `name` by `label`, summed over the workers: counts."""
+        return _sum([_by_label(b, a, name, label) for b, a in pairs])
+
+    def by_exact(name: str, label: str) -> dict[str, float]:
+        return _sum_float([_by_label(b, a, name, label, exact=True) for b, a in pairs])
+
+    every = [_by_label(b, a, LOADS, "tier") for b, a in pairs]
+    ok = [_by_label(b, a, LOADS, "tier", result="ok") for b, a in pairs]
+    failed = [
+        {t: n - o.get(t, 0) for t, n in e.items() if n > o.get(t, 0)} for e, o in zip(every, ok, strict=True)
+    ]
+    loads_n = by(LOAD_SECONDS + "_count", "tier")
+    gc_n = by(GC_PAUSE + "_count", "generation")
+    gc_short = by(GC_PAUSE + "_bucket", "le")  # (a bucket summed over the generations: up to its bound)
+    gc_s = by_exact(GC_PAUSE + "_sum", "generation")
+    loads_s = by_exact(LOAD_SECONDS + "_sum", "tier")
     return AdapterActivity(
         loads=_sum(ok),
         failed_loads=_sum(failed),
-        evictions=_sum([_by_label(b, a, EVICTIONS, "tier") for b, a in pairs]),
-        lookups=_sum([_by_label(b, a, LOOKUPS, "result") for b, a in pairs]),
+        evictions=by(EVICTIONS, "tier"),
+        lookups=by(LOOKUPS, "result"),
         generated_tokens=delta(GENERATED),
         steps=delta(STEP_SEQUENCES + "_count"),
         step_sequences=delta(STEP_SEQUENCES + "_sum"),
         load_ms={t: round(1e3 * loads_s.get(t, 0.0) / n, 2) for t, n in loads_n.items() if n},
-        store_origins=_sum([_by_label(b, a, STORE_OPEN_SECONDS + "_count", "origin") for b, a in pairs]),
-        step_seconds=sum(
-            sum(_by_label(b, a, STEP_SECONDS + "_sum", "kind", exact=True).values()) for b, a in pairs
-        ),
+        store_origins=by(STORE_OPEN_SECONDS + "_count", "origin"),
+        step_seconds=sum(by_exact(STEP_SECONDS + "_sum", "kind").values()),
         device_wait_seconds=exact(DEVICE_WAIT),
         device_seconds=exact(STEP_DEVICE_SECONDS + "_sum"),
         device_steps=delta(STEP_DEVICE_SECONDS + "_count"),
         gc_collections={g: n for g, n in gc_n.items() if n},
         gc_ms={g: round(1e3 * v, 2) for g, v in gc_s.items() if gc_n.get(g)},
         gc_long=sum(gc_n.values()) - gc_short.get(LONG_GC_PAUSE, 0),
-        step_admissions={
-            k: n
-            for k, n in _sum([_by_label(b, a, STEP_ADMISSIONS, "outcome") for b, a in pairs]).items()
-            if n
-        },
+        step_admissions={k: n for k, n in by(STEP_ADMISSIONS, "outcome").items() if n},
     )

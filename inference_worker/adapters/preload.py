@@ -134,9 +134,8 @@ async def _load_all(adapters: WorkerAdapters, wanted: list[str], report: Preload
             if pool.fetcher.flights and not landed.is_set():
                 await landed.wait()
             with pool.lock:
-                known = pool.versions.resolve(ref)
-                held = known is not None and pool.tiers.holds(known)
-                if pool.tiers.cpu.room - len(pool.fetcher.flights) <= 0 and not held:
+                full = pool.tiers.cpu.room - len(pool.fetcher.flights) <= 0
+                if full and pool.arrival_tier(ref) == "store":  # (a held one needs no room)
                     report.skipped.append(aid)
                     return None
             try:

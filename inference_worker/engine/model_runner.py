@@ -41,6 +41,13 @@ def _host_tensor(code: str, values: list[int], dtype: torch.dtype) -> torch.Tens
     return torch.frombuffer(array.array(code, values), dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
+def _gather(first: int, d_source: list[int]) -> torch.Tensor:
+    """An eager step's gather: [2, n] (the rows to fill, the previous step's rows they take)."""
+    dst = [first + i for i, src in enumerate(d_source) if src >= 0]
+    src = [src for src in d_source if src >= 0]
+    return _host_tensor("q", dst + src, torch.int64).view(2, -1)
+
+
 def _source_column(first: int, decode_sources: list[int], tail: int) -> torch.Tensor:
     """A graph step's source column (StepPlan.source): -1 for its `first` rows (prefill tokens),
     each decode row's source, -1 for the `tail` rows after them (padding); through C arrays."""
@@ -126,9 +133,9 @@ class ModelRunner:
         table_keys: list[int | None] = []  # each table's sequence (None: a padding row's)
         logits_idx: list[int] = []
         sample_seqs: list[Sequence] = []
-        gather_dst: list[int] = []  # decode rows whose input is the previous step's sampled token
-        gather_src: list[int] = []
-        d_source: list[int] = []  # per decode row: that token's row in the previous step (-1: none)
+        # per decode row: the row of the previous step whose sampled token is its input (-1: none)
+        d_source: list[int] = []
+        n_pending = 0
 
         for seq, n in sched.prefills:
             start, table = seq.num_computed_tokens, seq.block_table
@@ -146,11 +153,10 @@ class ModelRunner:
                 sample_seqs.append(seq)
         decodes = sched.decodes  # one token each: the last one, not yet in the cache
         first = len(ids)
-        for i, seq in enumerate(decodes):
+        for seq in decodes:
             if seq.num_pending:  # sampled by the step still running: read on the device
-                gather_dst.append(first + i)
-                gather_src.append(seq.pending_row)
                 d_source.append(seq.pending_row)
+                n_pending += 1
                 ids.append(0)
             else:
                 d_source.append(-1)
@@ -218,11 +224,9 @@ class ModelRunner:
             query_start=query_start,
             context_lens_cpu=ctx_lens[: len(query_start) - 1],
             seq_slots=seq_slots,
-            pending=bool(gather_dst),
+            pending=n_pending > 0,
             # an eager step gathers its pending inputs; a graph step's graph takes them itself
-            gather=_host_tensor("q", gather_dst + gather_src, torch.int64).view(2, -1)
-            if gather_dst and not (pad_to or mixed)
-            else None,
+            gather=_gather(first, d_source) if n_pending and not (pad_to or mixed) else None,
             source=_source_column(first, d_source, n_tok - end) if pad_to or mixed else None,
             mixed=mixed or 0,
         )

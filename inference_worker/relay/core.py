@@ -128,7 +128,7 @@ class RelayServer:
         self._connections: set[asyncio.Task[None]] = set()
         self._writers: set[FrameWriter] = set()
         self.connected = asyncio.Event()  # every front has connected
-        self._fronts, self._joined = fronts, 0
+        self._fronts = fronts
         self.calls_by_connection: list[int] = []  # calls relayed by each connection, in the order they came
 
     async def start(self, path: str) -> None:
@@ -150,11 +150,10 @@ class RelayServer:
         this = asyncio.current_task()
         assert this is not None
         self._connections.add(this)
-        self._joined += 1
-        if self._joined >= self._fronts:
-            self.connected.set()
         connection = len(self.calls_by_connection)
         self.calls_by_connection.append(0)
+        if len(self.calls_by_connection) >= self._fronts:
+            self.connected.set()
         out = FrameWriter(writer)
         self._writers.add(out)
         if self._tokenizer_json is not None:

@@ -22,8 +22,15 @@ def delta_message(delta: Delta) -> bytes:
     return msg.SerializeToString()
 
 
-def merged(a: Delta, b: Delta) -> Delta | None:
-    """`b` appended to `a` when it continues it (same completion, `a` not ended), else None."""
-    if b[3] != a[3] or a[4]:
-        return None
-    return (a[0], a[1] + b[1], a[2] + b[2], a[3], b[4])
+def mergeable(a: Delta, b: Delta) -> bool:
+    """Whether `b` continues `a`: the same completion, `a` not ended."""
+    return b[3] == a[3] and not a[4]
+
+
+def merged_run(run: list[Delta]) -> Delta:
+    """Consecutive deltas of one completion, each mergeable into the one before, as one: built
+    once rather than pair by pair (as output_reader.merged_run, for the worker's outputs)."""
+    if len(run) == 1:
+        return run[0]
+    first = run[0]
+    return (first[0], "".join([d[1] for d in run]), [t for d in run for t in d[2]], first[3], run[-1][4])

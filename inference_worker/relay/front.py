@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from tokenizers import Tokenizer
 
-from loraserve.inference_worker.relay.deltas import delta_message, merged
+from loraserve.inference_worker.relay.deltas import delta_message, mergeable, merged_run
 from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
 from loraserve.inference_worker.relay.front_text import StreamText, text_in_front
 
@@ -163,17 +163,17 @@ class Front(grpc.GenericRpcHandler):
                     else:
                         op, held = held, None
                     if op[0] == "delta":
-                        delta = op[2]
                         # what queued behind it while this process was busy, of the same
                         # completion: one message, so a front that falls behind sends fewer,
                         # larger messages
+                        run = [op[2]]
                         while not queue.empty():
                             nxt = queue.get_nowait()
-                            longer = merged(delta, nxt[2]) if nxt[0] == "delta" else None
-                            if longer is None:
+                            if nxt[0] != "delta" or not mergeable(run[-1], nxt[2]):
                                 held = nxt
                                 break
-                            delta = longer
+                            run.append(nxt[2])
+                        delta = merged_run(run)
                         yield delta_message(delta) if text is None else text.delta(delta)
                         continue
                     if op[0] == "message":

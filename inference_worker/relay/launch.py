@@ -45,15 +45,16 @@ class FrontProcess:
             args += ["--tls-cert", tls_cert, "--tls-key", tls_key]
         if count > 1:
             args.append("--share-port")
-        self.port = self._start([*args, "--port", str(port)])
-        for _ in range(count - 1):
-            self._start([*args, "--port", str(self.port), "--joining"])
+        self.port = self._listening(self._spawn([*args, "--port", str(port)]))
+        joining = [self._spawn([*args, "--port", str(self.port), "--joining"]) for _ in range(count - 1)]
+        for proc in joining:  # started together, then each waited for
+            self._listening(proc)
 
     @property
     def proc(self) -> subprocess.Popen:
         return self.procs[0]
 
-    def _start(self, args: list[str]) -> int:
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-m", "loraserve.inference_worker.relay.front", *args],
             stdin=subprocess.PIPE,  # held open while this process lives: the front ends with it
@@ -61,6 +62,11 @@ class FrontProcess:
             text=True,
         )
         self.procs.append(proc)
+        return proc
+
+    def _listening(self, proc: subprocess.Popen) -> int:
+        """The port `proc` listens on, from its first line; else every front stops, and
+        PortUnavailable says why."""
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()
         if not line.startswith("listening "):

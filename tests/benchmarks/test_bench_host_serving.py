@@ -24,5 +24,7 @@ def test_host_serving_benchmark_smoke(tmp_path):
     assert row["worker_us_per_token"] > 0 and row["step_thread_us_per_token"] > 0, row
     total = row["step_thread_us_per_token"] + row["rest_us_per_token"]
     assert total == pytest.approx(row["worker_us_per_token"], abs=0.2), row
-    # read from the worker's metrics: collections by generation (none, with nothing left in cycles)
+    # read from the worker's metrics: how full its steps were and what ended their admission (the
+    # scrape worked), and collections by generation (none, with nothing left in cycles)
+    assert 1 <= row["mean_sequences_per_step"] <= 8 and sum(row["step_admissions"].values()) > 0, row
     assert row["gc_collections"] == {} and row["gc_ms"] == {} and row["gc_over_10ms"] == 0, row

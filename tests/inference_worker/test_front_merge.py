@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from loraserve.inference_worker.relay.deltas import merged
+from loraserve.inference_worker.relay.deltas import mergeable, merged_run
 from loraserve.inference_worker.relay.front import Front
 from loraserve.v1 import worker_pb2
 
@@ -21,11 +21,12 @@ LENGTH = worker_pb2.FINISH_REASON_LENGTH
 METHOD = "/loraserve.v1.InferenceWorker/GenerateStream"
 
 
-def test_merged_continues_one_completion_only() -> None:
-    a = ("r", "Once", [1, 2], 0, 0)
-    assert merged(a, ("r", " upon", [3], 0, LENGTH)) == ("r", "Once upon", [1, 2, 3], 0, LENGTH)
-    assert merged(a, ("r", "x", [3], 1, 0)) is None  # another completion
-    assert merged(("r", "", [1], 0, LENGTH), ("r", "", [2], 0, 0)) is None  # past its end
+def test_a_run_of_deltas_merges_once_and_only_within_one_completion() -> None:
+    a, b = ("r", "Once", [1, 2], 0, 0), ("r", " upon", [3], 0, LENGTH)
+    assert mergeable(a, b) and merged_run([a, b]) == ("r", "Once upon", [1, 2, 3], 0, LENGTH)
+    assert merged_run([a]) is a
+    assert not mergeable(a, ("r", "x", [3], 1, 0))  # another completion
+    assert not mergeable(("r", "", [1], 0, LENGTH), ("r", "", [2], 0, 0))  # past its end
 
 
 class QueuedLink:

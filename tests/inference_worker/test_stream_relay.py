@@ -184,23 +184,37 @@ def test_the_front_makes_the_text_of_plain_streams(start_worker) -> None:
     assert made == [True, False, True, True]
 
 
-def test_a_worker_whose_start_fails_stops_what_it_started(tiny_model_dir) -> None:
-    """The metrics port is taken: the start fails after the engine's thread, the front and the
+def test_a_worker_whose_start_fails_stops_what_it_started(tiny_model_dir, monkeypatch) -> None:
+    """The metrics port is taken: the start fails after the engine's thread, the fronts and the
     collector timing hook were started, and none of them is left behind."""
     import gc
     import threading
 
+    from loraserve.inference_worker.relay import launch
     from loraserve.inference_worker.server import start_worker
 
+    fronts: list = []
+    started = launch.FrontProcess.__init__
+
+    def recorded(self, *args, **kw) -> None:
+        fronts.append(self)
+        started(self, *args, **kw)
+
+    monkeypatch.setattr(launch.FrontProcess, "__init__", recorded)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        config = worker_config(tiny_model_dir, metrics_port=taken.getsockname()[1], stream_process=True)
+        config = worker_config(
+            tiny_model_dir, metrics_port=taken.getsockname()[1], stream_process=True, stream_processes=2
+        )
         hooks = len(gc.callbacks)
         with pytest.raises(OSError):
             asyncio.run(start_worker(config))
     assert len(gc.callbacks) == hooks
     assert not [t for t in threading.enumerate() if t.name == "engine-step"]
+    (front,) = fronts
+    assert len(front.procs) == 2 and all(p.poll() is not None for p in front.procs)
+    assert not os.path.exists(front.socket_path)
 
 
 @pytest.mark.parametrize("killed", [0, 1], ids=["first", "joining"])
