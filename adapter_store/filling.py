@@ -3,9 +3,11 @@
 A CPU cache miss served from the disk tier opens the payload's file (header checked), then reads
 the payload on a worker thread (hashing it on another, beside the reads) while the fetches that
 asked for it already stream its first bytes: a fetch's time becomes the longer of the read and the stream rather than their sum.
-The last chunk is sent only once the whole payload has been read and its digest checked, so a
-fetch never completes with bytes that were not verified; a bad read fails the fetches that follow
-it (the servicer tells their clients to fetch again from the start).
+A fetch's stream ends (status OK) only once the whole payload has been read and its digest
+checked, and a client takes a fetch as complete only on that status, so none completes with bytes
+that were not verified; the last chunk itself goes out as soon as it is read, so the client copies
+and hashes it while the store's hash finishes. A bad read fails the fetches that follow it (the
+servicer tells their clients to fetch again from the start, whatever they had received).
 """
 
 from __future__ import annotations
@@ -63,11 +65,20 @@ class Filling:
         return self.chunks[i]
 
     async def wait(self, upto: int) -> None:
-        """Until bytes [0, upto) may be sent: in memory, and for the payload's end (upto == total)
-        checked as well. Raises the read's error once it has failed."""
+        """Until bytes [0, upto) may be sent: in memory. Raises the read's error once it has failed."""
         while True:
             if self.error is not None:
                 raise self.error
-            if self.checked or (upto < self.total and self.filled >= upto):
+            if self.checked or self.filled >= upto:
+                return
+            await self._changed.wait()
+
+    async def verified(self) -> None:
+        """Until the whole payload is read and its digest checked (a stream may end). Raises the
+        read's error once it has failed."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            if self.checked:
                 return
             await self._changed.wait()

@@ -4,7 +4,7 @@ propagate; the server's error interceptor (loraserve/serving/interceptors.py) ma
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import grpc
@@ -119,16 +119,24 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         while offset < total:
             end = min(offset + step, total)
             if filling is not None:  # still read from the disk tier: wait for these bytes
-                try:
-                    await filling.wait(end)
-                except PayloadDamaged:
-                    context.set_trailing_metadata(((REFETCH_KEY, "1"),))
-                    raise
+                await _filled(filling.wait(end), context)
             # a serialized FetchAdapterResponse(chunk=...): made by the disk read, else here
             chunk = filling.chunk(offset, end) if filling is not None else None
             yield chunk if chunk is not None else encode_chunk(offset, view[offset:end])
             metrics.fetch_bytes.inc(end - offset)
             offset = end
+        if filling is not None:  # the stream ends (OK) only once what it sent is checked
+            await _filled(filling.verified(), context)
+
+
+async def _filled(waiting: Awaitable[None], context: grpc.aio.ServicerContext) -> None:
+    """Wait on a disk read (filling.py); once it has found its copy damaged, the client is told
+    to fetch again from offset 0 (bytes it received came from that copy)."""
+    try:
+        await waiting
+    except PayloadDamaged:
+        context.set_trailing_metadata(((REFETCH_KEY, "1"),))
+        raise
 
 
 def add_to_server(servicer: AdapterStoreServicer, server: grpc.aio.Server) -> None:

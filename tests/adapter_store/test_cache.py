@@ -99,7 +99,7 @@ def test_single_flight_fetch_after_eviction(start_store, tier: bool) -> None:
         opened = await asyncio.gather(*[service.open_fetch("x", 0, "") for _ in range(8)])
         for o in opened:  # a disk read streams while it fills: wait for it to be checked
             if o.filling is not None:
-                await o.filling.wait(o.adapter.total_bytes)
+                await o.filling.verified()
         return [(o.record, o.adapter) for o in opened]
 
     results = store.call(many())

@@ -1,6 +1,6 @@
 """A payload read from the disk tier streams while it is read (adapter_store/filling.py), through a
-real store on port 0 and real files: the first chunks leave before the read ends, the last only
-once the payload is checked, concurrent fetches share one read, and a copy found damaged after
+real store on port 0 and real files: the first chunks leave before the read ends, the stream ends
+only once the payload is checked, concurrent fetches share one read, and a copy found damaged after
 bytes were sent makes the client fetch again from offset 0 and get the rebuilt payload."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -67,7 +68,7 @@ def _hold_read_at(monkeypatch, at: int) -> tuple[threading.Event, threading.Even
     return held, go
 
 
-def test_chunks_stream_while_the_file_is_read_and_the_last_waits_for_the_check(evicted, monkeypatch) -> None:
+def test_chunks_stream_while_the_file_is_read(evicted, monkeypatch) -> None:
     store, info, reference, _ = evicted
     held, go = _hold_read_at(monkeypatch, info.size_bytes // 2)
     with grpc.insecure_channel(store.address) as ch:
@@ -95,28 +96,57 @@ def test_chunks_stream_while_the_file_is_read_and_the_last_waits_for_the_check(e
     assert _value(store, "loraserve_store_disk_hits_total") == 1
 
 
-def test_a_payload_never_ends_before_it_is_checked(evicted, monkeypatch) -> None:
-    """Held just before its last byte, the read keeps the stream's final chunk back."""
+def test_a_stream_never_ends_before_its_payload_is_checked(evicted, monkeypatch) -> None:
+    """Held once every byte is read but before the digest is compared, the read lets every chunk
+    go (the client hashes them meanwhile) and keeps the stream's end, its status, back: no client
+    completes a fetch until the store has checked what it sent."""
     store, info, reference, _ = evicted
     held, go = _hold_read_at(monkeypatch, info.size_bytes)  # all read, the digest not yet compared
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
-        messages = stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="x"), timeout=20)
-        got = [next(messages)]
-        while sum(len(m.chunk.data) for m in got) < info.size_bytes - CHUNK:
-            got.append(next(messages))
-        assert held.wait(5)
+        call = stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="x"), timeout=20)
+        got: list[store_pb2.FetchAdapterResponse] = []
         done = threading.Event()
 
-        def rest() -> None:
-            got.extend(messages)
+        def receive() -> None:  # one message at a time, so that the test sees them arrive
+            for message in call:
+                got.append(message)
             done.set()
 
-        threading.Thread(target=rest, daemon=True).start()
-        assert not done.wait(0.3)  # the last chunk is held back while the read is
+        threading.Thread(target=receive, daemon=True).start()
+        assert held.wait(5)
+        deadline = time.monotonic() + 10
+        while sum(len(m.chunk.data) for m in list(got)) < info.size_bytes:
+            assert time.monotonic() < deadline, "the last chunks never came"
+            time.sleep(0.01)
+        assert not done.wait(0.3)  # every byte is there, the end of the stream is not
         go.set()
-        assert done.wait(10)
+        assert done.wait(10) and call.code() == grpc.StatusCode.OK
     assert b"".join(m.chunk.data for m in got[1:]) == reference.buffer.numpy().tobytes()
+
+
+def test_a_copy_found_damaged_after_its_last_chunk_went_out_ends_data_loss(evicted, monkeypatch) -> None:
+    """Damage found once every chunk has been sent still fails the stream (DATA_LOSS, marked to
+    fetch again): the client has every byte of the damaged copy and completes nothing with them."""
+    store, info, _, path = evicted
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x01
+    path.write_bytes(bytes(data))
+    held, go = _hold_read_at(monkeypatch, info.size_bytes)
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        call = stub.FetchAdapter(store_pb2.FetchAdapterRequest(adapter_id="x"), timeout=20)
+        got: list[store_pb2.FetchAdapterResponse] = []
+        with pytest.raises(grpc.RpcError) as caught:
+            for message in call:
+                got.append(message)
+                if sum(len(m.chunk.data) for m in got) == info.size_bytes:
+                    assert held.is_set()
+                    go.set()  # every byte is here: now let the read compare the digest
+    assert sum(len(m.chunk.data) for m in got) == info.size_bytes
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+    assert ("loraserve-refetch", "1") in tuple(caught.value.trailing_metadata())
+    assert _value(store, "loraserve_store_disk_corrupt_total") == 1
 
 
 def test_concurrent_fetches_share_one_read(evicted, monkeypatch) -> None:

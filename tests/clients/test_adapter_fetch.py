@@ -113,7 +113,7 @@ def test_corrupted_chunk_raises_data_loss(chunked) -> None:
 
 
 def test_no_copying_thread_outlives_its_fetch(chunked) -> None:
-    """Chunks are copied and hashed on a thread beside the receiving one; it ends with the fetch,
+    """Chunks are copied and hashed on threads beside the receiving one; they end with the fetch,
     whether the fetch succeeded, was resumed, failed its digest or was refused."""
     import threading
 
@@ -123,7 +123,7 @@ def test_no_copying_thread_outlives_its_fetch(chunked) -> None:
         fetch_adapter(CuttingStub(stub, corrupt=True), "big")
     with pytest.raises(grpc.RpcError):
         fetch_adapter(stub, "big", digest="0" * 64)
-    assert not [t for t in threading.enumerate() if t.name == "adapter-fetch-copy"]
+    assert not [t for t in threading.enumerate() if t.name in ("adapter-fetch-copy", "adapter-fetch-hash")]
 
 
 def test_stale_digest_is_refused(chunked) -> None:

@@ -91,6 +91,23 @@ def test_a_killed_process_fails_its_fetches_and_is_replaced(lora_store):
     assert run(_with_source(lora_store.address, body)).rank == 16
 
 
+def test_the_process_keeps_freed_memory_unless_told_otherwise(lora_store, monkeypatch):
+    """The fetch process starts with glibc malloc settings that keep freed blocks for the next
+    messages (fetching.process.MALLOC_ENV); a setting of the worker's own environment wins."""
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+
+    async def body(source):
+        await source.fetch("all-r4")
+        pid = source._process._child.proc.pid
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(e.decode().split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
+
+    environment = run(_with_source(lora_store.address, body))
+    assert environment["MALLOC_MMAP_THRESHOLD_"] == fetch_process.MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
+    assert environment["MALLOC_TRIM_THRESHOLD_"] == "12345"
+
+
 def test_a_sigterm_to_the_process_group_is_the_worker_s_to_act_on(lora_store):
     """`kill -- -PGID`, `timeout` or a terminal reach the fetch process too: it ignores SIGTERM
     and SIGINT and goes on serving, ending only when the worker stops it."""
