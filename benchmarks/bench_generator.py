@@ -1,13 +1,18 @@
 """How fast `loraserve bench` can drive a server from one CPU core: the request rate it sustains.
 
-A token server in its own process (gRPC InferenceWorker.GenerateStream, one single-token message
-every --tpot-ms, as a decoding worker streams; no model) stands in for a worker that is never the
-bottleneck. The generator runs pinned to one core at rising Poisson rates for --duration seconds
-each; a rate is sustained when the completion rate is >= 95% of it and the p99 lag between a
-request's planned and actual send time stays under 50 ms. The serving benchmark compares the
-highest sustained rate with the workers' measured saturation rate (the aim: >= 5x).
+A token server in its own process (gRPC InferenceWorker.GenerateStream, a token every --tpot-ms,
+streamed as a decoding worker streams them; no model) stands in for a worker that is never the
+bottleneck. With --stream-interval K the generator asks for K tokens a message and the server
+answers as the worker does: the first token alone and at once, then a message every K tokens
+(K x tpot apart), what is left with the last. The generator runs pinned to one core at rising
+Poisson rates for --duration seconds each; a rate is sustained when the completion rate is >= 95%
+of it and the p99 lag between a request's planned and actual send time stays under 50 ms; each
+rate's row also gives both processes' CPU shares (a token server near 1 was the limit itself). The
+serving benchmark compares the highest sustained rate with the workers' measured saturation rate
+(the aim: >= 5x).
 
-    python benchmarks/bench_generator.py [--rates 50,100,200,400,800] [--output-len 128] [--json out.json]
+    python benchmarks/bench_generator.py [--rates 50,100,200,400,800] [--output-len 128]
+        [--stream-interval 16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -25,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loraserve.clients.bench.cli import stream_interval  # noqa: E402
 from loraserve.clients.bench.results import summarize  # noqa: E402
 from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
 from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
@@ -34,8 +41,15 @@ SUSTAINED_SHARE = 0.95
 MAX_SEND_LAG_MS = 50.0
 
 
+def message_ends(num_tokens: int, stream_interval: int) -> list[int]:
+    """The tokens sent when each message of a stream has gone out, as the worker sends them
+    (engine._process_text): the first token alone, then `stream_interval` (0 = 1) tokens a message,
+    what is left with the last: 1 + ceil((n - 1) / k) messages for n >= 1 tokens."""
+    return [*range(1, num_tokens, stream_interval or 1), num_tokens]
+
+
 def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
-    """Serve GenerateStream: max_tokens messages of one token, tpot_s apart."""
+    """Serve GenerateStream: max_tokens tokens, tpot_s apart, in the messages `message_ends` says."""
     import grpc
 
     from loraserve.v1 import worker_pb2, worker_pb2_grpc
@@ -47,9 +61,15 @@ def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
         async def GenerateStream(self, request, context):
             n = request.sampling.max_tokens or 16
             start = time.perf_counter()
-            for i in range(n):
-                msg = worker_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=[i % 100])
-                if i == n - 1:
+            sent = 0
+            for end in message_ends(n, request.stream_interval):
+                if sent:  # each message leaves as its last token is made
+                    await asyncio.sleep((end - sent) * tpot_s)
+                msg = worker_pb2.GenerateStreamResponse(
+                    request_id=request.request_id, token_ids=[i % 100 for i in range(sent, end)]
+                )
+                sent = end
+                if end == n:
                     msg.finish_reason = worker_pb2.FINISH_REASON_LENGTH
                     ms = (time.perf_counter() - start) * 1e3
                     msg.usage.CopyFrom(
@@ -60,8 +80,6 @@ def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
                         )
                     )
                 yield msg
-                if i < n - 1:
-                    await asyncio.sleep(tpot_s)
 
         async def GetWorkerInfo(self, request, context):
             return worker_pb2.WorkerInfo(vocab_size=32000)
@@ -77,6 +95,26 @@ def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
     asyncio.run(serve())
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) a process has used so far, from /proc (None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (platform's guess elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _spec(rate: float, args: argparse.Namespace) -> WorkloadSpec:
     """The measured request stream at `rate`: Zipf over the adapters, fixed lengths, seeded."""
     return WorkloadSpec(
@@ -89,16 +127,21 @@ def _spec(rate: float, args: argparse.Namespace) -> WorkloadSpec:
     )
 
 
-async def _run_rate(address: str, rate: float, args: argparse.Namespace) -> dict[str, object]:
-    target = WorkerTarget(address, Sampling())
+async def _run_rate(
+    address: str, rate: float, args: argparse.Namespace, server_pid: int
+) -> dict[str, object]:
+    """One rate; `server_cpu_share` says whether the token server kept up (near 1: its core was
+    the limit, not the generator's)."""
+    target = WorkerTarget(address, Sampling(stream_interval=args.stream_interval))
     await target.start()
     spec = _spec(rate, args)
     runner = Runner(
         target, RunLimits(None, args.duration), progress_interval_s=None, progress_out=io.StringIO()
     )
-    cpu0 = time.process_time()
+    cpu0, server0 = time.process_time(), _cpu_seconds(server_pid)
     result = await runner.run(RequestStream(spec))
-    cpu = time.process_time() - cpu0
+    cpu, server1 = time.process_time() - cpu0, _cpu_seconds(server_pid)
+    span = max(result.duration_s, 1e-9)
     await target.close()
     s = summarize(result.records, duration_s=result.duration_s)
     lag = s["send_lag_ms"]
@@ -111,10 +154,14 @@ async def _run_rate(address: str, rate: float, args: argparse.Namespace) -> dict
         "completed": completed,
         "failed": s["failed"],
         "achieved_rate": round(achieved, 2),
-        "messages_per_s": round(achieved * args.output_len, 1),
+        "messages_per_request": s["messages_per_request"],
+        "messages_per_s": round(sum(r.messages for r in result.records if r.ok) / args.duration, 1),
         "send_lag_p99_ms": lag["p99"],
         "ttft_p50_ms": s["ttft_ms"]["p50"],  # type: ignore[index]
-        "cpu_share": round(cpu / max(result.duration_s, 1e-9), 3),
+        "cpu_share": round(cpu / span, 3),
+        "server_cpu_share": None
+        if server0 is None or server1 is None
+        else round((server1 - server0) / span, 3),
         "sustained": bool(
             s["failed"] == 0 and achieved >= SUSTAINED_SHARE * rate and (lag["p99"] or 0) <= MAX_SEND_LAG_MS
         ),
@@ -135,7 +182,10 @@ async def _bare_rate(address: str, rate: float, args: argparse.Namespace) -> dic
 
         async def one(request) -> None:
             prompt, adapter, n = request.prompt, request.adapter_id, request.max_tokens
-            async for _ in stub.GenerateStream(build_request(prompt, adapter_id=adapter, max_tokens=n)):
+            k = args.stream_interval
+            async for _ in stub.GenerateStream(
+                build_request(prompt, adapter_id=adapter, max_tokens=n, stream_interval=k)
+            ):
                 pass
 
         tasks = []
@@ -161,6 +211,12 @@ def main() -> int:
     p.add_argument("--num-adapters", type=int, default=1000)
     p.add_argument("--tpot-ms", type=float, default=20.0, help="token server's gap between tokens")
     p.add_argument(
+        "--stream-interval",
+        type=stream_interval,
+        default=0,
+        help="tokens a message the generator asks for (loraserve bench --stream-interval); 0 = one",
+    )
+    p.add_argument(
         "--floor",
         action="store_true",
         help="then send the highest sustained rate's stream again through a bare gRPC read loop: "
@@ -181,7 +237,8 @@ def main() -> int:
         os.sched_setaffinity(0, {client_core})
         rows = []
         for rate in (float(r) for r in args.rates.split(",")):
-            row = asyncio.run(_run_rate(address, rate, args))
+            assert server.pid is not None
+            row = asyncio.run(_run_rate(address, rate, args, server.pid))
             rows.append(row)
             print(json.dumps(row), flush=True)
             if not row["sustained"]:
@@ -196,9 +253,13 @@ def main() -> int:
         server.terminate()
         server.join(5)
     sustained = max((r["achieved_rate"] for r in rows if r["sustained"]), default=0.0)
+    per_request = len(message_ends(args.output_len, args.stream_interval))
     out = {
         "client_core": client_core,
+        "cpu": _cpu_model(),
         "output_len": args.output_len,
+        "stream_interval": args.stream_interval,
+        "messages_per_request": per_request,
         "prompt_len": args.prompt_len,
         "tpot_ms": args.tpot_ms,
         "max_sustained_rate": sustained,
@@ -207,8 +268,9 @@ def main() -> int:
     if floor is not None:
         out["transport_floor"] = floor
     print(
-        f"\ngenerator on one core sustains {sustained} req/s at {args.output_len} output tokens "
-        f"({sustained * args.output_len:.0f} streamed messages/s)"
+        f"\ngenerator on one core ({out['cpu']}, core {client_core}) sustains {sustained} req/s at "
+        f"{args.output_len} output tokens, {per_request} messages a request "
+        f"({sustained * per_request:.0f} streamed messages/s)"
     )
     if floor is not None:
         print(

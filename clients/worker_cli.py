@@ -127,6 +127,14 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--repetition-penalty", type=float, default=1.0, help="Hugging Face repetition penalty (> 0)"
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a streamed completion's tokens arrive K to a message (its first at once); "
+        "0 = the worker's default",
+    )
     p.add_argument("--token", default=os.environ.get("LORASERVE_GENERATE_TOKEN"), help="bearer token")
     add_tls_args(p)
     add_json_arg(p)
@@ -163,6 +171,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
+        stream_interval=args.stream_interval,
         timeout=args.timeout,
     )
     prompt = None if args.chat else args.prompt

@@ -4,6 +4,8 @@
         print(w.generate("Hello", max_tokens=20).text)
         for delta in w.generate_stream("Once upon a time", temperature=0.8, seed=1):
             print(delta.text, end="", flush=True)
+        for delta in w.generate_stream("Once", max_tokens=64, ignore_eos=True, stream_interval=16):
+            print(len(delta.token_ids))  # 1, 16, 16, 16, 15: the first token alone, then 16 a message
         chat = w.generate(messages=[{"role": "user", "content": "Hi!"}], n=2, logprobs=True)
         for c in chat.completions:
             print(c.index, c.text, [lp.logprob for lp in c.logprobs])
@@ -132,9 +134,11 @@ def build_request(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 0.0,
     request_id: str = "",
+    stream_interval: int = 0,
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest from a prompt (text or token ids) or chat `messages`; zero values mean
-    the server's defaults (n 1, repetition_penalty 1.0 = off)."""
+    the server's defaults (n 1, repetition_penalty 1.0 = off, the worker's stream interval).
+    `stream_interval` k: a stream's tokens come k to a message (its first alone, at once)."""
     sampling = worker_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -152,7 +156,9 @@ def build_request(
     )
     if seed is not None:
         sampling.seed = seed
-    req = worker_pb2.GenerateRequest(adapter_id=adapter_id, sampling=sampling, request_id=request_id)
+    req = worker_pb2.GenerateRequest(
+        adapter_id=adapter_id, sampling=sampling, request_id=request_id, stream_interval=stream_interval
+    )
     if messages is not None:
         req.messages.extend(chat_message(m) for m in messages)
         if add_generation_prompt is not None:

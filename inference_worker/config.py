@@ -38,7 +38,8 @@ _HELP = {
     "async_scheduling": "plan and launch the next step while the device runs the current one, "
     "reading its tokens back after (CUDA, not with tensor parallelism)",
     "stream_interval": "a running request's tokens are sent every this many steps (its first token "
-    "and its end at once); more sends fewer messages per token when the server is the bottleneck",
+    "and its end at once); more sends fewer messages per token when the server is the bottleneck "
+    "(a request's own stream_interval, when it sets one, is used instead)",
     "gc_threshold": "allocations between collections of Python's youngest garbage-collector generation "
     "(Python's own default is 700); what is alive once the worker is up is frozen out of collection",
     "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "

@@ -46,8 +46,11 @@ _TIERS = {
 }
 
 
-def sampling_from_pb(s: worker_pb2.SamplingParams, detokenize: bool = True) -> SamplingParams:
-    """`detokenize` False is kept only for requests whose text needs nothing but their tokens."""
+def sampling_from_pb(
+    s: worker_pb2.SamplingParams, detokenize: bool = True, stream_interval: int = 0
+) -> SamplingParams:
+    """`detokenize` False is kept only for requests whose text needs nothing but their tokens;
+    `stream_interval` is the request's (GenerateRequest.stream_interval, 0 = the worker's)."""
     return SamplingParams(
         max_tokens=s.max_tokens,
         temperature=s.temperature,
@@ -63,6 +66,7 @@ def sampling_from_pb(s: worker_pb2.SamplingParams, detokenize: bool = True) -> S
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty != 0 else 1.0,
+        stream_interval=stream_interval,
         detokenize=detokenize or not text_from_tokens(s),
     )
 
@@ -144,7 +148,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                 rid,
                 request.prompt,
                 list(request.prompt_token_ids),
-                sampling_from_pb(request.sampling, detokenize),
+                sampling_from_pb(request.sampling, detokenize, request.stream_interval),
                 on_output,
                 request.adapter_id,
                 deadline,

@@ -46,6 +46,19 @@ def length_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+MAX_STREAM_INTERVAL = 1024  # GenerateRequest.stream_interval's range is 0..1024 (worker.proto)
+
+
+def stream_interval(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= k <= MAX_STREAM_INTERVAL:
+        raise argparse.ArgumentTypeError(f"need 0 <= K <= {MAX_STREAM_INTERVAL}, got {k}")
+    return k
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
@@ -134,6 +147,15 @@ def parser() -> argparse.ArgumentParser:
         help="generate exactly max_tokens (default on)",
     )
     w.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
+    w.add_argument(
+        "--stream-interval",
+        type=stream_interval,
+        default=0,
+        metavar="K",
+        help="ask each worker or router request for its tokens K to a message, the first alone and at "
+        "once: a generator reads ~K times fewer messages (TTFT is unchanged, TPOT spans the first to "
+        "the last token); 0 = the worker's default, one a message unless its --stream-interval",
+    )
 
     r = p.add_argument_group("report")
     r.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target for SLO attainment")
@@ -152,8 +174,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def build_target(args: argparse.Namespace) -> Target:
-    sampling = Sampling(args.temperature, args.ignore_eos, args.timeout)
+    sampling = Sampling(args.temperature, args.ignore_eos, args.timeout, args.stream_interval)
     if args.openai_url:
+        if args.stream_interval:
+            raise ValueError(
+                "--stream-interval is for a worker or the router (GenerateStream), not --openai-url"
+            )
         return OpenAITarget(args.openai_url, sampling, base_model=args.openai_model, api_key=args.api_key)
     addresses = (
         discover_workers(args.redis_url, args.redis_prefix)

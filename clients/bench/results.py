@@ -3,7 +3,10 @@ TTFT / time per output token / end-to-end latency percentiles, SLO attainment, e
 TTFT by the tier the adapter was found in, the workers' adapter activity), as JSON and as a table.
 
 TTFT is from sending the request to its first output token; TPOT is (end - first token) divided by
-the tokens after the first (vLLM's definition); both measured by the client."""
+the tokens after the first (vLLM's definition); both measured by the client. A stream that carries
+several tokens a message (a stream interval, or a worker merging what queued) still has its first
+token alone and its last one in its last message, so both hold; no per-message gap is reported as
+a per-token one."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ class RequestRecord:
     first_token_s: float | None = None
     prompt_tokens: int | None = None
     output_tokens: int = 0
+    messages: int = 0  # stream messages (chunks) received
     status: str = "OK"  # or the failure's status: a gRPC code name, "HTTP 503", ...
     error: str = ""
     worker: str = ""
@@ -97,6 +101,7 @@ def summarize(
         "output_token_throughput": round(out_tokens / span, 3),
         "total_output_tokens": out_tokens,
         "total_prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "messages_per_request": round(statistics.fmean([r.messages for r in ok]), 2) if ok else None,
         "ttft_ms": latency_ms(ttfts),
         "tpot_ms": latency_ms([t for r in ok if (t := r.tpot_s) is not None]),
         "e2e_ms": latency_ms([r.e2e_s for r in ok]),
@@ -158,6 +163,7 @@ def format_summary(summary: dict[str, object]) -> str:
                 ("duration (s)", _fmt(summary["duration_s"])),
                 ("request throughput (req/s)", _fmt(summary["request_throughput"])),
                 ("output token throughput (tok/s)", _fmt(summary["output_token_throughput"])),
+                ("stream messages per request", _fmt(summary["messages_per_request"])),
                 ("base-model requests", _fmt(summary["base_requests"])),
                 ("distinct adapters", _fmt(summary["distinct_adapters"])),
             ],

@@ -139,6 +139,7 @@ class Runner:
         reported: int | None = None
         try:
             async for chunk in self.target.stream(req):
+                rec.messages += 1
                 if chunk.tokens:
                     if rec.first_token_s is None:
                         rec.first_token_s = self._now()

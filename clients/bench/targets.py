@@ -49,6 +49,19 @@ class Sampling:
     temperature: float = 0.0
     ignore_eos: bool = True  # generate exactly max_tokens, so output lengths are what was asked
     timeout_s: float | None = None
+    # a worker's stream: its tokens this many to a message, the first alone (GenerateRequest's
+    # stream_interval); 0 = the worker's default (one a message unless its --stream-interval)
+    stream_interval: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 0:
+            raise ValueError(f"stream interval must be >= 0, got {self.stream_interval}")
+
+    @property
+    def stream_note(self) -> str:
+        """How the streams are asked for, for a target's description ("" for the worker's default)."""
+        k = self.stream_interval
+        return f", tokens {k} to a message" if k > 1 else ", a message per token" if k == 1 else ""
 
 
 def _generate(client: AsyncWorkerClient, request: BenchRequest, s: Sampling) -> AsyncIterator[Delta]:
@@ -59,6 +72,7 @@ def _generate(client: AsyncWorkerClient, request: BenchRequest, s: Sampling) -> 
         max_tokens=request.max_tokens,
         temperature=s.temperature,
         ignore_eos=s.ignore_eos,
+        stream_interval=s.stream_interval,
         timeout=s.timeout_s,
     )
 
@@ -100,8 +114,10 @@ class WorkerTarget:
     ) -> None:
         self.address, self.sampling = address, sampling
         self.turns = ClientTurns(address, connections, token=token, tls_ca=tls_ca, tls=tls)
-        self.description = f"worker {address}" + (
-            f" over {connections} connections" if connections > 1 else ""
+        self.description = (
+            f"worker {address}"
+            + (f" over {connections} connections" if connections > 1 else "")
+            + sampling.stream_note
         )
         self.client = self.turns.clients[0]
 
@@ -157,8 +173,10 @@ class RouterTarget:
             w.address: ClientTurns(w.address, connections, token=token, tls_ca=tls_ca, tls=tls)
             for w in self.router.workers
         }
-        self.description = f"router over {len(self.turns)} worker(s)" + (
-            f", {connections} connections each" if connections > 1 else ""
+        self.description = (
+            f"router over {len(self.turns)} worker(s)"
+            + (f", {connections} connections each" if connections > 1 else "")
+            + sampling.stream_note
         )
 
     async def start(self) -> None:

@@ -24,6 +24,7 @@ MAX_STOP_STRINGS = 16  # stop strings, and stop token ids, per request
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_MESSAGES = 1024  # chat messages per request
 MAX_REQUEST_ID_CHARS = 256
+MAX_STREAM_INTERVAL = 1024  # a request's stream_interval (0 = the worker's --stream-interval)
 
 
 def check_prompt_size(
@@ -80,6 +81,11 @@ def check_sampling_params(p: SamplingParams, max_num_seqs: int) -> None:
         raise InvalidRequest(f"top_k must be >= 0, got {p.top_k}")
     if p.max_tokens < 0:
         raise InvalidRequest(f"max_tokens must be >= 0, got {p.max_tokens}")
+    if not 0 <= p.stream_interval <= MAX_STREAM_INTERVAL:
+        raise InvalidRequest(
+            f"stream_interval must be in [0, {MAX_STREAM_INTERVAL}] (0 = the worker's default), "
+            f"got {p.stream_interval}"
+        )
     if not 1 <= p.n <= max_num_seqs:
         raise InvalidRequest(f"n must be in [1, max_num_seqs = {max_num_seqs}], got {p.n}")
     if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:

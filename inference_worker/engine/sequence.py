@@ -44,6 +44,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: over generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # Hugging Face: over prompt and generated tokens, 1 = off
+    # a running sequence's tokens go out every this many (its first at once, its end whenever it
+    # comes); 0 = the engine's EngineConfig.stream_interval
+    stream_interval: int = 0
     # False: the output's text is made elsewhere from its tokens (the stream relay's front), and
     # the outputs carry tokens only; for requests without stop strings
     detokenize: bool = True

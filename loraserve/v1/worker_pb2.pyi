@@ -209,6 +209,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """Prompt text (tokenized by the worker); ignored when prompt_token_ids is set."""
     adapter_id: _builtins.str
@@ -217,6 +218,12 @@ class GenerateRequest(_message.Message):
     """Client-chosen id echoed in the response (the server makes one when empty)."""
     add_generation_prompt: _builtins.bool
     """With messages: end the rendered prompt with the assistant turn's opening; unset means true."""
+    stream_interval: _builtins.int
+    """GenerateStream: send a running completion's tokens every this many tokens (its first token
+    at once and alone, what is left at its end with its last message), 0..1024; 0 means the
+    worker's default (--stream-interval). For a client that needs no message per token (a load
+    generator, a batch consumer). Generate answers whole whatever it is.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt as token ids."""
@@ -242,10 +249,11 @@ class GenerateRequest(_message.Message):
         request_id: _builtins.str = ...,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         add_generation_prompt: _builtins.bool | None = ...,
+        stream_interval: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "adapter_id", b"adapter_id", "add_generation_prompt", b"add_generation_prompt", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "adapter_id", b"adapter_id", "add_generation_prompt", b"add_generation_prompt", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stream_interval", b"stream_interval"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
     _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015

@@ -143,6 +143,94 @@ def test_run_against_a_worker_reports_counts_latencies_and_tier_activity(served,
     assert act["device_ms_per_step"] is None
 
 
+@pytest.mark.parametrize("through", ["worker", "router"])
+def test_a_stream_interval_reaches_every_request_and_the_metrics_count_tokens(
+    served, tmp_path: Path, through: str
+) -> None:
+    """--stream-interval 4 at 9 output tokens: every request's stream is [1, 4, 4] tokens (fewer
+    messages where outputs queued together), its token count is exact, TTFT is its first token's
+    and TPOT spans the first token to the last over the 8 after the first; the JSON says which
+    interval was asked for."""
+    _, workers, ids = served
+    out, n = tmp_path / f"{through}.json", 10
+    rc = bench_main(
+        [
+            "--worker", workers[0].address if through == "worker" else ",".join(w.address for w in workers),
+            "--num-adapters", str(NUM_ADAPTERS), "--adapter-format", "bench-{i}", "--base-share", "0.5",
+            "--concurrency", "3", "--num-requests", str(n), "--prompt-len", "4", "--output-len", "9",
+            "--stream-interval", "4", "--seed", "2",
+            "--result-json", str(out), "--save-requests", "--progress-interval", "0",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    s, records = doc["summary"], doc["requests"]
+    assert doc["config"]["stream_interval"] == 4 and doc["target"].endswith(", tokens 4 to a message")
+    assert s["completed"] == n and s["total_output_tokens"] == 9 * n
+    assert all(r["output_tokens"] == 9 for r in records)
+    # (a message per token would be 9; merged outputs make fewer)
+    assert all(1 <= r["messages"] <= 3 for r in records) and s["messages_per_request"] <= 3
+    tpots = [(r["end_s"] - r["first_token_s"]) / 8 for r in records]
+    assert s["tpot_ms"]["mean"] == pytest.approx(sum(tpots) / n * 1e3, abs=1e-3)
+    assert all(r["sent_s"] < r["first_token_s"] <= r["end_s"] for r in records)
+
+
+def test_stream_interval_options_are_checked(capsys) -> None:
+    for bad in ("-1", "1025", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(["--stream-interval", bad])
+        assert exit_.value.code == 2
+    assert "need 0 <= K <= 1024" in capsys.readouterr().err
+    rc = bench_main(
+        ["--openai-url", "http://127.0.0.1:1/v1", "--stream-interval", "4", "--num-requests", "1"]
+    )
+    assert rc == 1 and "--stream-interval is for a worker or the router" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="stream interval must be >= 0"):
+        Sampling(stream_interval=-1)
+
+
+class _ClockedTarget:
+    """Streams 9 tokens as [1, 4, 4] with the last chunk's server count, each chunk `gap_s` after
+    the one before on a clock of its own (the runner's), so every timing is known."""
+
+    description = "clocked"
+
+    def __init__(self, gap_s: float) -> None:
+        self.now, self.gap_s = 0.0, gap_s
+
+    def clock(self) -> float:
+        return self.now
+
+    async def start(self) -> None: ...
+
+    async def vocab_size(self) -> int | None:
+        return 10
+
+    async def stream(self, request: BenchRequest):
+        for tokens, last in ((1, False), (4, False), (4, True)):
+            self.now += self.gap_s
+            yield Chunk(tokens, completion_tokens=9 if last else None)
+
+    async def close(self) -> None: ...
+
+
+def test_tpot_and_ttft_of_a_stream_of_several_tokens_a_message() -> None:
+    """A message of several tokens counts them all; TTFT is the first message's time and TPOT
+    (end - first token) / (tokens - 1): 0.1 s to the first token, the rest 0.2 s later, 8 tokens
+    after the first -> 25 ms a token."""
+    target = _ClockedTarget(0.1)
+    limits = RunLimits(1, None, 1, open_loop=False)
+    runner = Runner(target, limits, progress_interval_s=None, clock=target.clock)
+    stream = RequestStream(WorkloadSpec(adapter_ids=("x",), output_len=(9, 9), vocab_size=10))
+    (rec,) = asyncio.run(runner.run(stream)).records
+    assert (rec.output_tokens, rec.messages) == (9, 3)
+    assert rec.ttft_s == pytest.approx(0.1) and rec.e2e_s == pytest.approx(0.3)
+    assert rec.tpot_s == pytest.approx(0.2 / 8)
+    s = summarize([rec], duration_s=0.3)
+    assert s["tpot_ms"]["mean"] == pytest.approx(25.0) and s["ttft_ms"]["mean"] == pytest.approx(100.0)
+    assert s["messages_per_request"] == 3.0 and s["total_output_tokens"] == 9
+
+
 def test_run_through_the_router_sends_adapters_to_their_homes(served, tmp_path: Path) -> None:
     from loraserve.clients.placement import home
 

@@ -4,6 +4,7 @@ model/engine tests also run on GPU machines whose grpc may not match the generat
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -38,6 +39,14 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def stream_sizes(num_tokens: int, every: int) -> list[int]:
+    """Tokens per message (engine output) of a streamed completion of `num_tokens` that ends at its
+    length or a stop string, at stream interval `every`: the first alone, then `every` a message,
+    what is left with the ending; 1 + ceil((num_tokens - 1) / every) messages."""
+    ends = [*range(1, num_tokens, every), num_tokens]
+    return [b - a for a, b in itertools.pairwise([0, *ends])]
 
 
 def stub_for(address: str):

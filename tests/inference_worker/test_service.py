@@ -5,9 +5,12 @@ every test twice: clients talking to the worker's own server, and to its front p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import itertools
 import threading
 import urllib.request
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -18,7 +21,7 @@ from loraserve.clients.worker_cli import generate_main
 from loraserve.clients.worker_client import AsyncWorkerClient, WorkerClient, build_request
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.tls import self_signed_cert
-from tests.helpers.workers import stub_for, wait_for, worker_config
+from tests.helpers.workers import stream_sizes, stub_for, wait_for, worker_config
 
 PROMPTS = [
     "Hello world.",
@@ -57,6 +60,102 @@ def test_generate_and_stream_agree(worker) -> None:
     u = deltas[-1].usage
     assert u.prompt_tokens == full.usage.prompt_tokens > 0 and u.completion_tokens == 20
     assert 0 <= u.queue_time_ms <= u.time_to_first_token_ms <= u.total_time_ms
+
+
+def _by_index(messages) -> dict[int, list[worker_pb2.GenerateStreamResponse]]:
+    out: dict[int, list[worker_pb2.GenerateStreamResponse]] = {}
+    for m in messages:
+        out.setdefault(m.index, []).append(m)
+    return out
+
+
+@contextlib.contextmanager
+def held_after_its_first_outputs(engine, request_id: str) -> Iterator[threading.Event]:
+    """The engine's step thread, once it has handed over `request_id`'s first outputs, waits until
+    the event yielded is set (the client has its first messages): outputs that queue while the
+    event loop or the front is busy leave as one message, and a busy machine must not merge the
+    first ones with what follows."""
+    read = threading.Event()
+    dispatch = engine.output_dispatcher
+
+    def held(items) -> None:
+        dispatch(items)
+        if not read.is_set() and any(out.request_id == request_id for _, out in items):
+            read.wait(30)
+
+    engine.output_dispatcher = held
+    try:
+        yield read
+    finally:
+        read.set()
+        engine.output_dispatcher = dispatch
+
+
+@pytest.mark.parametrize("every", [4, 16])
+def test_a_stream_interval_sends_the_same_completions_in_fewer_messages(worker, every: int) -> None:
+    """GenerateRequest.stream_interval k: the engine emits each completion's tokens [1, k, ..., k,
+    rest] (the first alone and at once, what is left with the finish reason; the usage on the
+    very last), with the tokens, text, logprobs and finish reasons of a stream of one token a
+    message: plain (the relay's front makes its text), n = 2 with logprobs, and cut by a stop
+    string. Outputs that queued together (a step's running output and its ending; a loop that fell
+    behind) leave as one message, so a message ends where an output ended. Generate answers the
+    same whole."""
+    stub = stub_for(worker.address)
+    plain = build_request(PROMPTS[1], max_tokens=21, ignore_eos=True)
+    text = stub.Generate(plain, timeout=30).text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cases = [
+        dict(max_tokens=21, ignore_eos=True),
+        dict(max_tokens=13, ignore_eos=True, temperature=1.0, seed=3, n=2, logprobs=True, top_logprobs=2),
+        dict(max_tokens=21, ignore_eos=True, stop=[stop]),
+    ]
+    for kw in cases:
+        one = list(stub.GenerateStream(build_request(PROMPTS[1], **kw), timeout=30))
+        grouped: list[worker_pb2.GenerateStreamResponse] = []
+        with held_after_its_first_outputs(worker.engine, "grouped") as first_read:
+            request = build_request(PROMPTS[1], stream_interval=every, request_id="grouped", **kw)
+            for m in stub.GenerateStream(request, timeout=30):
+                grouped.append(m)
+                if len({g.index for g in grouped}) == kw.get("n", 1):
+                    first_read.set()
+        want, got = _by_index(one), _by_index(grouped)
+        assert sorted(got) == sorted(want) == list(range(kw.get("n", 1)))
+        for index, mine in got.items():
+            ids = [t for m in mine for t in m.token_ids]
+            assert ids == [t for m in want[index] for t in m.token_ids]
+            sizes = [len(m.token_ids) for m in mine]
+            assert sizes[0] == 1  # the first token at once, alone
+            assert set(itertools.accumulate(sizes)) <= set(
+                itertools.accumulate(stream_sizes(len(ids), every))
+            )
+            assert "".join(m.text for m in mine) == "".join(m.text for m in want[index])
+            assert [lp.token_id for m in mine for lp in m.logprobs] == (ids if kw.get("logprobs") else [])
+            assert [len(lp.top_logprobs) for m in mine for lp in m.logprobs] == [
+                len(lp.top_logprobs) for m in want[index] for lp in m.logprobs
+            ]
+            assert [m.finish_reason for m in mine if m.finish_reason] == [want[index][-1].finish_reason]
+            assert mine[-1].finish_reason != 0
+        assert [m.HasField("usage") for m in grouped] == [False] * (len(grouped) - 1) + [True]
+        assert grouped[-1].usage.completion_tokens == one[-1].usage.completion_tokens
+    assert want[0][-1].finish_reason == worker_pb2.FINISH_REASON_STOP  # the stop string's case
+    whole = stub.Generate(build_request(PROMPTS[1], stream_interval=every, **cases[1]), timeout=30)
+    assert [list(c.token_ids) for c in whole.completions] == [
+        list(c.token_ids)
+        for c in stub.Generate(build_request(PROMPTS[1], **cases[1]), timeout=30).completions
+    ]
+
+
+@pytest.mark.parametrize("every", [-1, 1025])
+def test_a_stream_interval_out_of_range_is_invalid_argument(worker, every: int) -> None:
+    stub = stub_for(worker.address)
+    request = build_request(PROMPTS[0], max_tokens=4, stream_interval=every)
+    for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"stream_interval must be in [0, 1024] (0 = the worker's default), got {every}" in (
+            err.value.details()
+        )
 
 
 def test_concurrent_streams_match_alone(worker) -> None:
@@ -277,6 +376,15 @@ def test_tokens_and_metrics(start_worker, capsys) -> None:
     assert generate_main(["--worker", bg.address, "--token", "gen-secret", "--max-tokens", "5", "Hello"]) == 0
     assert capsys.readouterr().out.strip()
     assert generate_main(["--worker", bg.address, "Hello"]) == 1
+    # --stream-interval reaches the worker: the same text in fewer messages, a bad one refused
+    capsys.readouterr()
+    common = ["--worker", bg.address, "--token", "gen-secret", "--max-tokens", "9", "--ignore-eos"]
+    assert generate_main([*common, "Hello"]) == 0
+    per_token = capsys.readouterr().out
+    assert generate_main([*common, "--stream-interval", "4", "Hello"]) == 0
+    assert capsys.readouterr().out == per_token
+    assert generate_main([*common, "--stream-interval", "-4", "Hello"]) == 1
+    assert "INVALID_ARGUMENT: stream_interval must be in [0, 1024]" in capsys.readouterr().err
 
 
 def test_async_client(worker) -> None:
@@ -321,6 +429,8 @@ def test_build_request_carries_chat_and_sampling_fields() -> None:
     assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.25)
     assert s.repetition_penalty == pytest.approx(1.3)
     assert not build_request("hi").HasField("add_generation_prompt")
+    assert build_request("hi").stream_interval == 0
+    assert build_request("hi", stream_interval=16).stream_interval == 16
 
 
 def test_response_repeats_first_completion(worker) -> None:

@@ -14,7 +14,7 @@ from loraserve.inference_worker.engine.sequence import FinishReason, RequestOutp
 from loraserve.inference_worker.engine.text_stream import TextStream
 from loraserve.inference_worker.errors import InvalidRequest, NoAdapterStore, QueueFull
 from loraserve.inference_worker.model.loader import load_model, load_tokenizer
-from tests.helpers.workers import make_engine
+from tests.helpers.workers import make_engine, stream_sizes
 
 PROMPTS = [
     "Hello world.",
@@ -333,6 +333,49 @@ def test_stream_interval_groups_tokens_without_changing_them(tiny_model_dir: Pat
         assert all(len(o.token_ids) == every for o in b[1:-1])
     assert one[2][-1].finish_reason is FinishReason.STOP
     assert len(grouped[0]) < len(one[0])
+
+
+@pytest.mark.parametrize("worker_every, request_every", [(1, 4), (1, 7), (4, 1), (3, 5)])
+def test_a_request_s_stream_interval_overrides_the_engine_s(
+    tiny_model_dir: Path, tok, worker_every: int, request_every: int
+) -> None:
+    """SamplingParams.stream_interval k groups that request's outputs whatever the engine's
+    stream_interval (1 included): [1, k, ..., k, rest] for each of its n completions, the same
+    tokens, text and logprobs; a request leaving it 0 keeps the engine's."""
+    ids = tok.encode(PROMPTS[3]).ids
+    kw = dict(max_tokens=18, ignore_eos=True, temperature=1.0, seed=5, n=2, logprobs=True, top_logprobs=2)
+    requests = [
+        (ids, SamplingParams(**kw)),  # type: ignore[arg-type]
+        (ids, SamplingParams(**kw, stream_interval=request_every)),  # type: ignore[arg-type]
+        (tok.encode(PROMPTS[0]).ids, SamplingParams(max_tokens=1, stream_interval=request_every)),
+    ]
+    one = run_all(make_engine(tiny_model_dir), requests[:1])[0]
+    default, grouped, single = run_all(make_engine(tiny_model_dir, stream_interval=worker_every), requests)
+    for index in (0, 1):
+        want = [o for o in one if o.index == index]
+        for outs, every in ((default, worker_every), (grouped, request_every)):
+            got = [o for o in outs if o.index == index]
+            assert [len(o.token_ids) for o in got] == stream_sizes(18, every)
+            assert tokens(got) == tokens(want) and "".join(o.text for o in got) == "".join(
+                o.text for o in want
+            )
+            # (the batch differs from the lone request's: logprobs agree to float rounding)
+            lps, want_lps = [lp for o in got for lp in o.logprobs], [lp for o in want for lp in o.logprobs]
+            assert [lp.token_id for lp in lps] == [lp.token_id for lp in want_lps] == tokens(got)
+            assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in want_lps], abs=1e-4)
+            assert all(len(o.logprobs) == len(o.token_ids) for o in got)
+            assert got[-1].finish_reason is FinishReason.LENGTH and not any(o.finished for o in got[:-1])
+    assert grouped[-1].last and grouped[-1].usage.completion_tokens == 36
+    assert [len(o.token_ids) for o in single] == [1] and single[0].finished
+
+
+def test_a_stream_interval_out_of_range_is_refused(tiny_model_dir: Path, tok) -> None:
+    engine = make_engine(tiny_model_dir)
+    ids = tok.encode(PROMPTS[0]).ids
+    for k in (-1, 1025):
+        with pytest.raises(InvalidRequest, match=r"stream_interval must be in \[0, 1024\]"):
+            engine.make_sequence("r", "", ids, SamplingParams(stream_interval=k), lambda out: None)
+    engine.make_sequence("r", "", ids, SamplingParams(stream_interval=1024), lambda out: None)
 
 
 def test_a_request_submitted_while_the_step_checks_deadlines_changes_nothing(
