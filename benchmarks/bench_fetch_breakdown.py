@@ -19,7 +19,6 @@ import hashlib
 import json
 import mmap
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_fetch_concurrency import cpu_s  # noqa: E402
 from bench_fetch_contention import SHAPES  # noqa: E402
 from bench_store import start_store, wait_ready  # noqa: E402
-from serving_probes import child_pids  # noqa: E402
+from serving_probes import child_pids, cpu_model  # noqa: E402
 
 from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
 from loraserve.adapter_store.payload_file import PayloadKey, open_payload  # noqa: E402
@@ -53,16 +52,6 @@ from loraserve.inference_worker.fetching.process import FetchProcess  # noqa: E4
 
 CHUNK = 1 << 20
 T = TypeVar("T")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def summary(times: list[float]) -> tuple[float, float]:

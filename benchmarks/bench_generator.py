@@ -23,13 +23,14 @@ import io
 import json
 import multiprocessing as mp
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from serving_probes import cpu_model, proc_stat  # noqa: E402
 
 from loraserve.clients.bench.cli import stream_interval  # noqa: E402
 from loraserve.clients.bench.results import summarize  # noqa: E402
@@ -98,21 +99,10 @@ def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
 def _cpu_seconds(pid: int) -> float | None:
     """CPU time (user + system) a process has used so far, from /proc (None elsewhere)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        _, ticks, _ = proc_stat(Path(f"/proc/{pid}/stat"))
+    except (OSError, IndexError, ValueError):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_model() -> str:
-    """The CPU's model name as the kernel reports it (platform's guess elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _spec(rate: float, args: argparse.Namespace) -> WorkloadSpec:
@@ -256,7 +246,7 @@ def main() -> int:
     per_request = len(message_ends(args.output_len, args.stream_interval))
     out = {
         "client_core": client_core,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "output_len": args.output_len,
         "stream_interval": args.stream_interval,
         "messages_per_request": per_request,

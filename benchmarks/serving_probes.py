@@ -15,15 +15,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
-def host_cpu() -> str:
-    """The host's CPU model and core count (Linux), else what platform says."""
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (Linux), else what platform says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def host_cpu() -> str:
+    """The host's CPU model and core count."""
+    return f"{cpu_model()} x {os.cpu_count()}"
 
 
 @contextlib.contextmanager
