@@ -4,10 +4,11 @@ A CPU cache miss served from the disk tier opens the payload's file (header chec
 the payload on a worker thread (hashing it on another, beside the reads) while the fetches that
 asked for it already stream its first bytes: a fetch's time becomes the longer of the read and the stream rather than their sum.
 A fetch's stream ends (status OK) only once the whole payload has been read and its digest
-checked, and a client takes a fetch as complete only on that status, so none completes with bytes
-that were not verified; the last chunk itself goes out as soon as it is read, so the client copies
-and hashes it while the store's hash finishes. A bad read fails the fetches that follow it (the
-servicer tells their clients to fetch again from the start, whatever they had received).
+checked; the last chunk itself goes out as soon as it is read, so the client copies and hashes it
+while the store's hash finishes. A client uses the bytes only once its own sha256 of them matches
+the digest, and a stream cut between its last chunk and its status whose bytes do not match is
+fetched again from offset 0 (clients/adapter_fetch.py). A bad read fails the fetches that follow
+it (the servicer tells their clients to fetch again from the start, whatever they had received).
 """
 
 from __future__ import annotations

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import mmap
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -138,7 +140,12 @@ def copy_out_seconds(payload: bytes, pin: bool) -> float:
 def fetch_children() -> list[int]:
     """This process's adapter fetch process, if one runs."""
     kids = child_pids(os.getpid())
-    return [p for p in kids if "fetching.child" in Path(f"/proc/{p}/cmdline").read_text()][:1]
+    found = []
+    for p in kids:
+        with contextlib.suppress(OSError):  # ended meanwhile
+            if "fetching.child" in Path(f"/proc/{p}/cmdline").read_text():
+                found.append(p)
+    return found[:1]
 
 
 def timed_copies(source: StoreSource) -> list[float]:
@@ -276,7 +283,11 @@ def main() -> int:
             asyncio.run(worker_fetches(address, store.pid, args.repeats, rows))
         finally:
             store.terminate()
-            store.wait(30)
+            try:
+                store.wait(30)
+            except subprocess.TimeoutExpired:
+                store.kill()
+                store.wait()
         parts_alone(next(tier.glob("bench@*.payload")), size, args.repeats, rows)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"

@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 from serving_probes import cpu_model, proc_stat  # noqa: E402
 
-from loraserve.clients.bench.cli import stream_interval  # noqa: E402
 from loraserve.clients.bench.results import summarize  # noqa: E402
 from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
 from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
 from loraserve.clients.bench.workload import RequestStream, WorkloadSpec, adapter_ids  # noqa: E402
+from loraserve.clients.cli_options import stream_interval  # noqa: E402
 
 SUSTAINED_SHARE = 0.95
 MAX_SEND_LAG_MS = 50.0

@@ -18,6 +18,7 @@ sha256 of the buffer must equal the manifest's digest, else DataLossError.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from loraserve.clients.chunk_sink import ChunkSink
+from loraserve.clients.chunk_sink import ChunkSink, ChunkSinkError
 from loraserve.contract.adapter_layout import DTYPES, ITEMSIZES, LAYOUT_VERSION
 from loraserve.contract.chunk_codec import REFETCH_KEY, decode_response
 from loraserve.v1 import store_pb2
@@ -184,25 +185,33 @@ class AdapterDownload:
                 f"chunk at offset {offset} (+{n}) does not continue at {self.received} "
                 f"within {self.manifest.total_bytes} bytes"
             )
-        self._sink.put(self._np[offset : offset + n], data)
+        try:
+            self._sink.put(self._np[offset : offset + n], data)
+        except ChunkSinkError as exc:
+            raise FetchError(f"adapter {self.adapter_id!r}: {exc}") from exc
         self.received += n
 
     def restart(self) -> None:
         """Forget the bytes received (the store said they came from a damaged copy): the next
         request starts at offset 0; the manifest, and so the expected digest, stay."""
-        self._sink.drain()
+        self.pause()
         self._sink = ChunkSink()
         self.received = 0
 
     def pause(self) -> None:
-        """Let the copying thread finish what it was given and end (a fetch that gave up; a
-        resumed download starts another). A download left otherwise ends it after ChunkSink.IDLE_S."""
-        self._sink.drain()
+        """Let the copying and hashing threads finish what they were given and end (a fetch that
+        gave up; a resumed download starts others). A download left otherwise ends them after
+        ChunkSink.IDLE_S."""
+        with contextlib.suppress(ChunkSinkError):  # given up: whatever the sink held is dropped
+            self._sink.drain()
 
     def finish(self) -> FetchedAdapter:
         """Check the digest and build the tensor views."""
         assert self.manifest is not None and self._np is not None
-        actual = self._sink.hexdigest()
+        try:
+            actual = self._sink.hexdigest()
+        except ChunkSinkError as exc:
+            raise FetchError(f"adapter {self.adapter_id!r}: {exc}") from exc
         if actual != self.manifest.digest:
             raise DataLossError(
                 f"adapter {self.adapter_id!r}: payload sha256 {actual} does not match "
@@ -280,7 +289,14 @@ class _Resumable:
         if refetch:
             d.restart()
         if d.complete:
-            return d.finish()
+            try:
+                return d.finish()
+            except DataLossError:
+                # Every byte came, but the stream was cut before its status: the store may not
+                # have finished checking its copy. With attempts left, fetch again from 0.
+                if exc is None:
+                    raise
+                d.restart()
         self.attempts += 1
         if self.attempts > self.max_retries:
             d.pause()
@@ -320,6 +336,9 @@ def fetch_adapter(
                     run.handle(msg)
         except grpc.RpcError as exc:
             error = exc
+        except BaseException:  # a broken contract, no room, cancelled: the sink's threads end now
+            d.pause()
+            raise
         if (fetched := run.after_attempt(error)) is not None:
             return fetched
         time.sleep(run.delay)
@@ -348,6 +367,9 @@ async def fetch_adapter_async(
                     run.handle(msg)
         except grpc.RpcError as exc:
             error = exc
+        except BaseException:  # a broken contract, no room, cancelled: the sink's threads end now
+            d.pause()
+            raise
         if (fetched := run.after_attempt(error)) is not None:
             return fetched
         await asyncio.sleep(run.delay)

@@ -14,17 +14,29 @@ import numpy as np
 T = TypeVar("T")
 
 
+class ChunkSinkError(RuntimeError):
+    """A chunk could not be copied or hashed: what the sink holds is not the download."""
+
+
 class _Lane(Generic[T]):
     """`work(item)` for each item put, in order, on a thread of its own, started by the first put;
-    the thread ends when drained, or after `idle_s` with nothing to do (a download left unfinished)."""
+    the thread ends when drained, or after `idle_s` with nothing to do (a download left unfinished).
+    One producer: `put` and `drain` are called from one thread at a time. Once a `work` call has
+    raised, the rest is skipped and `drain` (and every `put` after) raises ChunkSinkError."""
 
     def __init__(self, work: Callable[[T], object], name: str, idle_s: float) -> None:
         self._work, self._name, self._idle_s = work, name, idle_s
         self._queue: queue.SimpleQueue[T | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise ChunkSinkError(f"{self._name}: {self._error!r}") from self._error
 
     def put(self, item: T) -> None:
+        self._check()
         with self._lock:
             self._queue.put(item)
             if self._thread is None:
@@ -43,7 +55,11 @@ class _Lane(Generic[T]):
                 continue
             if item is None:
                 return
-            self._work(item)
+            if self._error is None:
+                try:
+                    self._work(item)
+                except BaseException as exc:
+                    self._error = exc
 
     def drain(self) -> None:
         """Wait until everything put so far is done; the thread ends."""
@@ -53,6 +69,7 @@ class _Lane(Generic[T]):
                 self._queue.put(None)
         if thread is not None:
             thread.join()
+        self._check()
 
 
 def _copy(item: tuple[np.ndarray, bytes | memoryview]) -> None:
@@ -84,9 +101,12 @@ class ChunkSink:
         self._copying.put((dest, data))
 
     def drain(self) -> None:
-        """Wait until everything put so far is copied and hashed; the threads end."""
-        self._hashing.drain()
-        self._copying.drain()
+        """Wait until everything put so far is copied and hashed; the threads end. ChunkSinkError
+        when a chunk could not be copied or hashed."""
+        try:
+            self._hashing.drain()
+        finally:
+            self._copying.drain()
 
     def hexdigest(self) -> str:
         self.drain()

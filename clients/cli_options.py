@@ -91,3 +91,16 @@ def progress_bar(description: str) -> Iterator[Callable[[int, int], None] | None
     ) as bar:
         task = bar.add_task(description, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def stream_interval(text: str) -> int:
+    """argparse type of --stream-interval K: GenerateRequest.stream_interval's range."""
+    from loraserve.contract.streaming import MAX_STREAM_INTERVAL
+
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= k <= MAX_STREAM_INTERVAL:
+        raise argparse.ArgumentTypeError(f"need 0 <= K <= {MAX_STREAM_INTERVAL}, got {k}")
+    return k

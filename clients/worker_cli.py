@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from loraserve.clients.cli_help import DefaultsHelpFormatter
-from loraserve.clients.cli_options import add_json_arg, add_tls_args, print_json
+from loraserve.clients.cli_options import add_json_arg, add_tls_args, print_json, stream_interval
 from loraserve.clients.router import WorkerRouter, discover_workers
 from loraserve.clients.tables import format_table
 from loraserve.clients.worker_client import Completion, WorkerClient
@@ -129,7 +129,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--stream-interval",
-        type=int,
+        type=stream_interval,
         default=0,
         metavar="K",
         help="a streamed completion's tokens arrive K to a message (its first at once); "

@@ -5,7 +5,7 @@
         for delta in w.generate_stream("Once upon a time", temperature=0.8, seed=1):
             print(delta.text, end="", flush=True)
         for delta in w.generate_stream("Once", max_tokens=64, ignore_eos=True, stream_interval=16):
-            print(len(delta.token_ids))  # 1, 16, 16, 16, 15: the first token alone, then 16 a message
+            print(len(delta.token_ids))  # 1, 16, 16, 16, 15 (outputs that queued may merge)
         chat = w.generate(messages=[{"role": "user", "content": "Hi!"}], n=2, logprobs=True)
         for c in chat.completions:
             print(c.index, c.text, [lp.logprob for lp in c.logprobs])

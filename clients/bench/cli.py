@@ -30,7 +30,7 @@ from loraserve.clients.bench.workload import (
     load_prompts,
 )
 from loraserve.clients.cli_help import DefaultsHelpFormatter
-from loraserve.clients.cli_options import add_tls_args
+from loraserve.clients.cli_options import add_tls_args, stream_interval
 from loraserve.clients.router import discover_workers
 
 
@@ -44,19 +44,6 @@ def length_range(text: str) -> tuple[int, int]:
     if not 1 <= low <= high:
         raise argparse.ArgumentTypeError(f"need 1 <= LOW <= HIGH, got {text!r}")
     return low, high
-
-
-MAX_STREAM_INTERVAL = 1024  # GenerateRequest.stream_interval's range is 0..1024 (worker.proto)
-
-
-def stream_interval(text: str) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not 0 <= k <= MAX_STREAM_INTERVAL:
-        raise argparse.ArgumentTypeError(f"need 0 <= K <= {MAX_STREAM_INTERVAL}, got {k}")
-    return k
 
 
 def parser() -> argparse.ArgumentParser:

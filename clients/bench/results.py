@@ -3,10 +3,11 @@ TTFT / time per output token / end-to-end latency percentiles, SLO attainment, e
 TTFT by the tier the adapter was found in, the workers' adapter activity), as JSON and as a table.
 
 TTFT is from sending the request to its first output token; TPOT is (end - first token) divided by
-the tokens after the first (vLLM's definition); both measured by the client. A stream that carries
-several tokens a message (a stream interval, or a worker merging what queued) still has its first
-token alone and its last one in its last message, so both hold; no per-message gap is reported as
-a per-token one."""
+the tokens after the first (vLLM's definition); both measured by the client. A stream interval
+keeps them: its first token comes alone and at once, its last one in its last message. A worker
+that merges what queued while it was busy may join the first token with the next ones, and then
+TTFT is late and TPOT a little short, as for any client of that worker; no per-message gap is
+reported as a per-token one."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import grpc
 from loraserve.clients.bench.workload import BenchRequest
 from loraserve.clients.router import WorkerRouter
 from loraserve.clients.worker_client import AsyncWorkerClient, ClientTurns, Delta
+from loraserve.contract.streaming import MAX_STREAM_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,10 @@ class Sampling:
     stream_interval: int = 0
 
     def __post_init__(self) -> None:
-        if self.stream_interval < 0:
-            raise ValueError(f"stream interval must be >= 0, got {self.stream_interval}")
+        if not 0 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(
+                f"stream interval must be in [0, {MAX_STREAM_INTERVAL}], got {self.stream_interval}"
+            )
 
     @property
     def stream_note(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence as Seq
 
+from loraserve.contract.streaming import MAX_STREAM_INTERVAL
 from loraserve.inference_worker.engine.sampler import MAX_TOP_LOGPROBS
 from loraserve.inference_worker.engine.sequence import SamplingParams
 from loraserve.inference_worker.errors import InvalidRequest
@@ -24,7 +25,6 @@ MAX_STOP_STRINGS = 16  # stop strings, and stop token ids, per request
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_MESSAGES = 1024  # chat messages per request
 MAX_REQUEST_ID_CHARS = 256
-MAX_STREAM_INTERVAL = 1024  # a request's stream_interval (0 = the worker's --stream-interval)
 
 
 def check_prompt_size(

@@ -221,8 +221,10 @@ class GenerateRequest(_message.Message):
     stream_interval: _builtins.int
     """GenerateStream: send a running completion's tokens every this many tokens (its first token
     at once and alone, what is left at its end with its last message), 0..1024; 0 means the
-    worker's default (--stream-interval). For a client that needs no message per token (a load
-    generator, a batch consumer). Generate answers whole whatever it is.
+    worker's default (--stream-interval), which a request's own value replaces (finer or coarser).
+    Outputs that queued while the worker was busy may leave as one larger message. Tokens held
+    back when a call fails (its deadline, an error) are not sent. For a client that needs no
+    message per token (a load generator, a batch consumer). Generate answers whole whatever it is.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -185,8 +185,9 @@ def test_stream_interval_options_are_checked(capsys) -> None:
         ["--openai-url", "http://127.0.0.1:1/v1", "--stream-interval", "4", "--num-requests", "1"]
     )
     assert rc == 1 and "--stream-interval is for a worker or the router" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="stream interval must be >= 0"):
-        Sampling(stream_interval=-1)
+    for bad in (-1, 1025):
+        with pytest.raises(ValueError, match=r"stream interval must be in \[0, 1024\]"):
+            Sampling(stream_interval=bad)
 
 
 class _ClockedTarget:

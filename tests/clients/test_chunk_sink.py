@@ -6,10 +6,12 @@ import hashlib
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
-from loraserve.clients.chunk_sink import ChunkSink
+from loraserve.clients.chunk_sink import ChunkSink, ChunkSinkError
 
 NAMES = ("adapter-fetch-copy", "adapter-fetch-hash")
 
@@ -63,3 +65,35 @@ def test_threads_of_a_sink_left_unfinished_end_when_idle(monkeypatch) -> None:
     sink.put(dest[10:], b"abcdefghij")  # taken up again by new threads
     assert sink.hexdigest() == hashlib.sha256(b"0123456789abcdefghij").hexdigest()
     assert dest.tobytes() == b"0123456789abcdefghij" and not _sink_threads(others)
+
+
+def test_a_chunk_that_cannot_be_copied_fails_the_sink_not_just_its_thread() -> None:
+    """A copy that raises (here: a destination of the wrong size) is not lost with its thread: the
+    hash of the bytes alone would still match, so drain, hexdigest and every later put raise."""
+    sink = ChunkSink()
+    dest = np.zeros(20, dtype=np.uint8)
+    sink.put(dest[:5], b"0123456789")  # 10 bytes into 5
+    with pytest.raises(ChunkSinkError, match="adapter-fetch-copy"):
+        sink.hexdigest()
+    with pytest.raises(ChunkSinkError):
+        sink.put(dest[10:20], b"abcdefghij")
+    with pytest.raises(ChunkSinkError):
+        sink.drain()
+    assert not dest.any()
+
+
+def test_a_download_whose_chunk_cannot_be_copied_fails(monkeypatch) -> None:
+    """Through AdapterDownload: a failed copy ends the fetch with FetchError, never a digest match."""
+    from loraserve.clients import adapter_fetch, chunk_sink
+
+    def broken(item) -> None:
+        raise OSError("copy failed")
+
+    monkeypatch.setattr(chunk_sink, "_copy", broken)
+    payload = os.urandom(4096)
+    d = adapter_fetch.AdapterDownload("a", pin_memory=False)
+    d.manifest = SimpleNamespace(total_bytes=len(payload), digest=hashlib.sha256(payload).hexdigest())
+    d._np = np.zeros(len(payload), dtype=np.uint8)
+    d._write(0, payload)
+    with pytest.raises(adapter_fetch.FetchError, match="copy failed"):
+        d.finish()

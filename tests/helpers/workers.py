@@ -44,8 +44,8 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
 def stream_sizes(num_tokens: int, every: int) -> list[int]:
     """Tokens per message (engine output) of a streamed completion of `num_tokens` that ends at its
     length or a stop string, at stream interval `every`: the first alone, then `every` a message,
-    what is left with the ending; 1 + ceil((num_tokens - 1) / every) messages."""
-    ends = [*range(1, num_tokens, every), num_tokens]
+    what is left with the ending; 1 + ceil((num_tokens - 1) / every) messages (0 counts as 1)."""
+    ends = [*range(1, num_tokens, every or 1), num_tokens]
     return [b - a for a, b in itertools.pairwise([0, *ends])]
 
 
