@@ -280,23 +280,31 @@ class _Resumable:
 
     def after_attempt(self, exc: grpc.RpcError | None) -> FetchedAdapter | None:
         """The adapter when complete; None to retry after `delay`. Re-raises a final RpcError;
-        FetchError once retries are spent."""
+        DataLossError when the bytes do not match the digest and no attempt is left; FetchError
+        once retries are spent."""
         d = self.download
+        spent = self.attempts >= self.max_retries
         refetch = exc is not None and _refetch(exc)
-        if exc is not None and (not (refetch or _retryable(exc)) or self.attempts >= self.max_retries):
+        if exc is not None and not (refetch or _retryable(exc)):
             d.pause()
             raise exc
-        if refetch:
+        if refetch:  # the store found its copy damaged: what came is dropped
+            if spent:
+                d.pause()
+                raise exc  # type: ignore[misc]  # refetch implies exc
             d.restart()
-        if d.complete:
+        elif d.complete:
             try:
                 return d.finish()
             except DataLossError:
                 # Every byte came, but the stream was cut before its status: the store may not
                 # have finished checking its copy. With attempts left, fetch again from 0.
-                if exc is None:
+                if exc is None or spent:
                     raise
                 d.restart()
+        elif exc is not None and spent:
+            d.pause()
+            raise exc
         self.attempts += 1
         if self.attempts > self.max_retries:
             d.pause()
@@ -328,20 +336,21 @@ def fetch_adapter(
     allocate: given the payload's size, the buffer to fill (see AdapterDownload)."""
     d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer, allocate=allocate)
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
-    while True:
-        error: grpc.RpcError | None = None
-        try:
-            if not d.complete:
-                for msg in run.stream():
-                    run.handle(msg)
-        except grpc.RpcError as exc:
-            error = exc
-        except BaseException:  # a broken contract, no room, cancelled: the sink's threads end now
-            d.pause()
-            raise
-        if (fetched := run.after_attempt(error)) is not None:
-            return fetched
-        time.sleep(run.delay)
+    try:
+        while True:
+            error: grpc.RpcError | None = None
+            try:
+                if not d.complete:
+                    for msg in run.stream():
+                        run.handle(msg)
+            except grpc.RpcError as exc:
+                error = exc
+            if (fetched := run.after_attempt(error)) is not None:
+                return fetched
+            time.sleep(run.delay)
+    except BaseException:  # failed, a broken contract, no room, interrupted: the sink's threads end now
+        d.pause()
+        raise
 
 
 async def fetch_adapter_async(
@@ -359,17 +368,18 @@ async def fetch_adapter_async(
     """Fetch through a grpc.aio channel (fastest) or an asyncio `AdapterStoreStub`."""
     d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
-    while True:
-        error: grpc.RpcError | None = None
-        try:
-            if not d.complete:
-                async for msg in run.stream():
-                    run.handle(msg)
-        except grpc.RpcError as exc:
-            error = exc
-        except BaseException:  # a broken contract, no room, cancelled: the sink's threads end now
-            d.pause()
-            raise
-        if (fetched := run.after_attempt(error)) is not None:
-            return fetched
-        await asyncio.sleep(run.delay)
+    try:
+        while True:
+            error: grpc.RpcError | None = None
+            try:
+                if not d.complete:
+                    async for msg in run.stream():
+                        run.handle(msg)
+            except grpc.RpcError as exc:
+                error = exc
+            if (fetched := run.after_attempt(error)) is not None:
+                return fetched
+            await asyncio.sleep(run.delay)
+    except BaseException:  # failed, a broken contract, no room, cancelled: the sink's threads end now
+        d.pause()
+        raise

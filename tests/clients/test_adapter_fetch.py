@@ -257,3 +257,51 @@ def test_async_broken_stream_is_resumed(chunked) -> None:
     assert len(download.offsets) == 2 and download.offsets[1] >= 3 * 4096
     assert proxy.sent[1] < info.size_bytes
     assert bytes(fetched.buffer.numpy()) == bytes(fetch_adapter(stub, "big").buffer.numpy())
+
+
+class _EveryByteThenCut:
+    """A store stand-in whose every stream sends the manifest and all of the payload (from the
+    request's offset), one byte flipped when `damaged`, then fails UNAVAILABLE before its status."""
+
+    class _Cut(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "connection lost"
+
+    def __init__(self, payload: bytes, damaged: bool) -> None:
+        self.payload, self.damaged, self.streams = payload, damaged, 0
+
+    def FetchAdapter(self, request, **kwargs):
+        from loraserve.clients.adapter_fetch import LAYOUT_VERSION
+
+        self.streams += 1
+        digest = hashlib.sha256(self.payload).hexdigest()
+        manifest = store_pb2.AdapterManifest(
+            digest=digest, total_bytes=len(self.payload), layout_version=LAYOUT_VERSION
+        )
+        yield store_pb2.FetchAdapterResponse(manifest=manifest)
+        data = bytearray(self.payload)
+        if self.damaged:
+            data[5] ^= 0x01
+        chunk = store_pb2.DataChunk(offset=request.offset, data=bytes(data[request.offset :]))
+        yield store_pb2.FetchAdapterResponse(chunk=chunk)
+        raise self._Cut()
+
+
+@pytest.mark.parametrize("max_retries", [0, 1])
+def test_every_byte_then_a_cut_is_decided_by_the_digest(max_retries) -> None:
+    """Bytes that match the digest are the adapter even when the stream's status never came (also
+    on the last attempt); bytes that do not are fetched again while attempts are left, and are
+    DATA_LOSS, not the cut's UNAVAILABLE, once none is."""
+    import numpy as np
+
+    payload = bytes(range(256)) * 12
+    sound = _EveryByteThenCut(payload, damaged=False)
+    got = fetch_adapter(sound, "a", max_retries=max_retries, allocate=lambda n: np.zeros(n, np.uint8))
+    assert got.digest == hashlib.sha256(payload).hexdigest() and sound.streams == 1
+    damaged = _EveryByteThenCut(payload, damaged=True)
+    with pytest.raises(DataLossError):
+        fetch_adapter(damaged, "a", max_retries=max_retries, allocate=lambda n: np.zeros(n, np.uint8))
+    assert damaged.streams == max_retries + 1
