@@ -37,10 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_fetch_concurrency import cpu_s  # noqa: E402
 from bench_fetch_contention import SHAPES  # noqa: E402
 from bench_store import start_store, wait_ready  # noqa: E402
-from serving_probes import child_pids, cpu_model  # noqa: E402
+from serving_probes import child_pids, cpu_model, cpu_s  # noqa: E402
 
 from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
 from loraserve.adapter_store.payload_file import PayloadKey, open_payload  # noqa: E402

@@ -32,15 +32,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_fetch_contention import SHAPES  # noqa: E402
 from bench_store import store_with_adapters  # noqa: E402
-from serving_probes import child_pids  # noqa: E402
+from serving_probes import child_pids, cpu_s  # noqa: E402
 
 from loraserve.inference_worker.adapters.store_source import StoreSource  # noqa: E402
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds of process `pid`, every thread's (ended ones too), to the nanosecond: the
-    kernel's per-process CPU clock (/proc's counts are in 10 ms ticks, too coarse for one fetch)."""
-    return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:

@@ -30,23 +30,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serving_probes import cpu_model, proc_stat  # noqa: E402
+from serving_probes import cpu_model, cpu_s  # noqa: E402
 
 from loraserve.clients.bench.results import summarize  # noqa: E402
 from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
 from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
 from loraserve.clients.bench.workload import RequestStream, WorkloadSpec, adapter_ids  # noqa: E402
 from loraserve.clients.cli_options import stream_interval  # noqa: E402
+from loraserve.contract.streaming import message_ends  # noqa: E402
 
 SUSTAINED_SHARE = 0.95
 MAX_SEND_LAG_MS = 50.0
-
-
-def message_ends(num_tokens: int, stream_interval: int) -> list[int]:
-    """The tokens sent when each message of a stream has gone out, as the worker sends them
-    (engine._process_text): the first token alone, then `stream_interval` (0 = 1) tokens a message,
-    what is left with the last: 1 + ceil((n - 1) / k) messages for n >= 1 tokens."""
-    return [*range(1, num_tokens, stream_interval or 1), num_tokens]
 
 
 def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
@@ -96,15 +90,6 @@ def _token_server(port_out, tpot_s: float, cores: set[int]) -> None:
     asyncio.run(serve())
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """CPU time (user + system) a process has used so far, from /proc (None elsewhere)."""
-    try:
-        _, ticks, _ = proc_stat(Path(f"/proc/{pid}/stat"))
-    except (OSError, IndexError, ValueError):
-        return None
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _spec(rate: float, args: argparse.Namespace) -> WorkloadSpec:
     """The measured request stream at `rate`: Zipf over the adapters, fixed lengths, seeded."""
     return WorkloadSpec(
@@ -128,9 +113,9 @@ async def _run_rate(
     runner = Runner(
         target, RunLimits(None, args.duration), progress_interval_s=None, progress_out=io.StringIO()
     )
-    cpu0, server0 = time.process_time(), _cpu_seconds(server_pid)
+    cpu0, server0 = time.process_time(), cpu_s(server_pid)
     result = await runner.run(RequestStream(spec))
-    cpu, server1 = time.process_time() - cpu0, _cpu_seconds(server_pid)
+    cpu, server1 = time.process_time() - cpu0, cpu_s(server_pid)
     span = max(result.duration_s, 1e-9)
     await target.close()
     s = summarize(result.records, duration_s=result.duration_s)
@@ -149,9 +134,7 @@ async def _run_rate(
         "send_lag_p99_ms": lag["p99"],
         "ttft_p50_ms": s["ttft_ms"]["p50"],  # type: ignore[index]
         "cpu_share": round(cpu / span, 3),
-        "server_cpu_share": None
-        if server0 is None or server1 is None
-        else round((server1 - server0) / span, 3),
+        "server_cpu_share": round((server1 - server0) / span, 3),
         "sustained": bool(
             s["failed"] == 0 and achieved >= SUSTAINED_SHARE * rate and (lag["p99"] or 0) <= MAX_SEND_LAG_MS
         ),

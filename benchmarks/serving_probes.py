@@ -26,6 +26,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds of process `pid`, every thread's (ended ones too), to the nanosecond: the
+    kernel's per-process CPU clock (/proc's counts are in 10 ms ticks, too coarse for one fetch)."""
+    return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+
+
 def host_cpu() -> str:
     """The host's CPU model and core count."""
     return f"{cpu_model()} x {os.cpu_count()}"

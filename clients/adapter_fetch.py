@@ -281,16 +281,14 @@ class _Resumable:
     def after_attempt(self, exc: grpc.RpcError | None) -> FetchedAdapter | None:
         """The adapter when complete; None to retry after `delay`. Re-raises a final RpcError;
         DataLossError when the bytes do not match the digest and no attempt is left; FetchError
-        once retries are spent."""
+        once retries are spent (the fetch loops end the download's sink threads on any raise)."""
         d = self.download
         spent = self.attempts >= self.max_retries
         refetch = exc is not None and _refetch(exc)
         if exc is not None and not (refetch or _retryable(exc)):
-            d.pause()
             raise exc
         if refetch:  # the store found its copy damaged: what came is dropped
             if spent:
-                d.pause()
                 raise exc  # type: ignore[misc]  # refetch implies exc
             d.restart()
         elif d.complete:
@@ -303,11 +301,9 @@ class _Resumable:
                     raise
                 d.restart()
         elif exc is not None and spent:
-            d.pause()
             raise exc
         self.attempts += 1
         if self.attempts > self.max_retries:
-            d.pause()
             raise FetchError(
                 f"stream of {d.adapter_id!r} ended at byte {d.received} after {self.attempts} attempts"
             )

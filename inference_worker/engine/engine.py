@@ -337,18 +337,17 @@ class LLMEngine:
 
     def _process_text(self) -> None:
         """Detokenize the tokens appended since the last call, end sequences on stop strings, and
-        emit a running sequence's unsent tokens when it has its first token or `every` (its own
-        stream interval, else the engine's) unsent: outputs of 1, every, every, ... tokens, then
-        whatever is left with the ending (`_finish`)."""
+        emit a running sequence's unsent tokens when it has its first token or `every` (its stream
+        interval, the engine's where the request set none: RequestBuilder) unsent: outputs of 1,
+        every, every, ... tokens, then whatever is left with the ending (`_finish`)."""
         pending, self._text_pending = self._text_pending, []
-        default = self.config.stream_interval
         for seq in pending:
             if seq.finish_reason is not None:
                 continue
             if seq.text_stream.feed(seq.output_token_ids):  # a stop string matched
                 self._finish(seq, FinishReason.STOP)
                 continue
-            sent, every = seq.sent_token_count, seq.params.stream_interval or default
+            sent, every = seq.sent_token_count, seq.params.stream_interval
             if every == 1 or not sent or len(seq.output_token_ids) - sent >= every:
                 self.outputs.emit(seq, seq.take_unsent())
 

@@ -127,6 +127,8 @@ class RequestBuilder:
         max_tokens = self._max_tokens(len(ids), p.max_tokens)
         if max_tokens != p.max_tokens:
             p = replace(p, max_tokens=max_tokens)
+        if not p.stream_interval:  # the engine's, once, rather than at every step
+            p = replace(p, stream_interval=cfg.stream_interval)
         seqs = [
             Sequence(
                 request_id=request_id,

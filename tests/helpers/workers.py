@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from loraserve.contract.streaming import message_ends
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.model.chat_template import ChatTemplate
@@ -45,7 +46,7 @@ def stream_sizes(num_tokens: int, every: int) -> list[int]:
     """Tokens per message (engine output) of a streamed completion of `num_tokens` that ends at its
     length or a stop string, at stream interval `every`: the first alone, then `every` a message,
     what is left with the ending; 1 + ceil((num_tokens - 1) / every) messages (0 counts as 1)."""
-    ends = [*range(1, num_tokens, every or 1), num_tokens]
+    ends = message_ends(num_tokens, every)
     return [b - a for a, b in itertools.pairwise([0, *ends])]
 
 
