@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from loraserve.inference_worker.engine.sequence import RequestOutput
+from loraserve.inference_worker.run_reader import RunReader
 
 
 def merged_run(run: list[RequestOutput]) -> RequestOutput:
@@ -35,21 +36,6 @@ def mergeable(a: RequestOutput, b: RequestOutput) -> bool:
     return b.index == a.index and not a.finished and a.error is None and b.error is None
 
 
-class OutputReader:
+class OutputReader(RunReader[RequestOutput]):
     def __init__(self, queue: asyncio.Queue[RequestOutput]) -> None:
-        self.queue = queue
-        self._held: RequestOutput | None = None  # taken from the queue, not merged: next
-
-    async def next(self) -> RequestOutput:
-        """The next output, merged with the ones of the same completion already queued behind it;
-        an error, or another completion's output, is never merged and comes next."""
-        out = self._held if self._held is not None else await self.queue.get()
-        self._held = None
-        run = [out]
-        while not run[-1].finished and run[-1].error is None and not self.queue.empty():
-            nxt = self.queue.get_nowait()
-            if not mergeable(run[-1], nxt):
-                self._held = nxt
-                break
-            run.append(nxt)
-        return merged_run(run)
+        super().__init__(queue, mergeable, merged_run)

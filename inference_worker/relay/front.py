@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 from loraserve.inference_worker.relay.deltas import delta_message, mergeable, merged_run
 from loraserve.inference_worker.relay.framing import FrameWriter, read_frame
 from loraserve.inference_worker.relay.front_text import StreamText, text_in_front
+from loraserve.inference_worker.run_reader import RunReader
 
 SERVICE = "/loraserve.v1.InferenceWorker/"
 RELAYED = {SERVICE + "GenerateStream": True, SERVICE + "Generate": False}  # -> response streaming
@@ -63,6 +64,16 @@ def tokenizer_from_json(text: str) -> Tokenizer | None:
             flush=True,
         )
         return None
+
+
+def _deltas_follow(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether the operation `b` merges into `a`: deltas, `b` continuing `a`'s completion (the
+    worker's own messages and statuses never merge)."""
+    return a[0] == "delta" and b[0] == "delta" and mergeable(a[2], b[2])
+
+
+def _merged_deltas(run: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    return ("delta", run[0][1], merged_run([op[2] for op in run]))
 
 
 class Link:
@@ -154,27 +165,15 @@ class Front(grpc.GenericRpcHandler):
             tokenizer = self.link.tokenizer
             text = StreamText(tokenizer) if tokenizer is not None and text_in_front(request) else None
             key, queue = self.link.call(method, request, context, text_here=text is not None)
+            reader = RunReader(queue, _deltas_follow, _merged_deltas)
             ended = False
-            held = None  # taken from the queue and not merged: the next to send
             try:
                 while True:
-                    if held is None:
-                        op = await queue.get()
-                    else:
-                        op, held = held, None
+                    # deltas of one completion that queued behind it while this process was busy
+                    # come as one: a front that falls behind sends fewer, larger messages
+                    op = await reader.next()
                     if op[0] == "delta":
-                        # what queued behind it while this process was busy, of the same
-                        # completion: one message, so a front that falls behind sends fewer,
-                        # larger messages
-                        run = [op[2]]
-                        while not queue.empty():
-                            nxt = queue.get_nowait()
-                            if nxt[0] != "delta" or not mergeable(run[-1], nxt[2]):
-                                held = nxt
-                                break
-                            run.append(nxt[2])
-                        delta = merged_run(run)
-                        yield delta_message(delta) if text is None else text.delta(delta)
+                        yield delta_message(op[2]) if text is None else text.delta(op[2])
                         continue
                     if op[0] == "message":
                         yield op[2] if text is None else text.message(op[2])
