@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.contract.streaming import MAX_STREAM_INTERVAL
 from loraserve.serving.gc_tuning import DEFAULT_GEN0_THRESHOLD
 from loraserve.serving.settings import SERVER_HELP, config_from_args
 
@@ -39,7 +40,7 @@ _HELP = {
     "reading its tokens back after (CUDA, not with tensor parallelism)",
     "stream_interval": "a running request's tokens are sent every this many steps (its first token "
     "and its end at once); more sends fewer messages per token when the server is the bottleneck "
-    "(a request's own stream_interval, when it sets one, is used instead)",
+    f"(a request's own stream_interval, when it sets one, is used instead); 1 to {MAX_STREAM_INTERVAL}",
     "gc_threshold": "allocations between collections of Python's youngest garbage-collector generation "
     "(Python's own default is 700); what is alive once the worker is up is frozen out of collection",
     "switch_interval_ms": "Python's thread switch interval: how long the gRPC event loop may keep the "
@@ -171,7 +172,6 @@ class WorkerConfig:
             "max_cpu_lora_mb",
             "tensor_parallel_size",
             "gc_threshold",
-            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
@@ -185,6 +185,9 @@ class WorkerConfig:
         ):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            # a request's own stream_interval has the same bound
+            problems.append(f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}]")
         if not 1 <= self.stream_processes <= 64:
             problems.append("stream_processes must be in [1, 64]")
         elif self.stream_processes > 1 and not self.stream_process:

@@ -33,6 +33,8 @@ def test_flags_env_defaults(tiny_model_dir: Path) -> None:
         (dict(block_size=12), "block_size"),
         (dict(max_fetches=0), "max_fetches"),
         (dict(max_fetches=65), "max_fetches"),
+        (dict(stream_interval=0), r"stream_interval must be in \[1, 1024\]"),
+        (dict(stream_interval=1025), r"stream_interval must be in \[1, 1024\]"),
         (dict(stream_processes=0), r"stream_processes must be in \[1, 64\]"),
         (dict(stream_processes=65), r"stream_processes must be in \[1, 64\]"),
         (dict(stream_processes=2, stream_process=False), "stream_processes > 1 needs stream_process"),
@@ -50,6 +52,17 @@ def test_invariants(overrides, message) -> None:
 def test_bad_env_value_is_a_usage_error() -> None:
     with pytest.raises(SystemExit):
         WorkerConfig.from_args(["--model", "m"], {"LORASERVE_MAX_NUM_SEQS": "many"})
+
+
+def test_a_stream_interval_past_a_requests_bound_is_a_usage_error(capsys) -> None:
+    assert WorkerConfig.from_args(["--model", "m", "--stream-interval", "1024"]).stream_interval == 1024
+    for argv, env in (
+        (["--stream-interval", "1025"], {}),
+        ([], {"LORASERVE_STREAM_INTERVAL": "100000"}),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            WorkerConfig.from_args(["--model", "m", *argv], env)
+        assert exc.value.code == 2 and "stream_interval must be in [1, 1024]" in capsys.readouterr().err
 
 
 def test_kv_budget_and_max_model_len(tiny_model_dir: Path) -> None:
