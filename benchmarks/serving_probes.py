@@ -110,12 +110,17 @@ def proc_stat(stat: Path) -> tuple[int, int, str]:
 
 def child_pids(pid: int) -> list[int]:
     """The live (not ended) processes `pid` started, from /proc."""
-    out = []
+    return children_of((pid,))[pid]
+
+
+def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
+    """Each of `parents` -> the live (not ended) processes it started, from one walk over /proc."""
+    out: dict[int, list[int]] = {pid: [] for pid in parents}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError):  # (gone meanwhile)
             ppid, _, state = proc_stat(stat)
-            if ppid == pid and state != "Z":
-                out.append(int(stat.parent.name))
+            if ppid in out and state != "Z":
+                out[ppid].append(int(stat.parent.name))
     return out
 
 
@@ -159,8 +164,9 @@ class ProcessCpu:
             for task in Path(f"/proc/{self.worker_pid}/task").iterdir():
                 with contextlib.suppress(OSError):
                     out[f"worker thread {task.name}"] = proc_stat(task / "stat")[1]
+        children = children_of((self.worker_pid, os.getpid()))
         for parent, name in ((self.worker_pid, "worker's"), (os.getpid(), "benchmark's")):
-            for pid in child_pids(parent):
+            for pid in children[parent]:
                 if pid != self.worker_pid:
                     with contextlib.suppress(OSError):
                         out[f"{name} {_role(pid)} {pid}"] = proc_stat(Path(f"/proc/{pid}/stat"))[1]
