@@ -66,11 +66,12 @@ class Filling:
         return self.chunks[i]
 
     async def wait(self, upto: int) -> None:
-        """Until bytes [0, upto) may be sent: in memory. Raises the read's error once it has failed."""
+        """Until bytes [0, upto) may be sent: in memory (upto <= total: once checked, all `total`
+        are). Raises the read's error once it has failed."""
         while True:
             if self.error is not None:
                 raise self.error
-            if self.checked or self.filled >= upto:
+            if self.filled >= upto:
                 return
             await self._changed.wait()
 
