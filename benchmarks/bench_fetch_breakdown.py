@@ -21,7 +21,6 @@ import json
 import mmap
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,15 +37,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_fetch_contention import SHAPES  # noqa: E402
-from bench_store import start_store, wait_ready  # noqa: E402
+from bench_store import store_with_adapters, times_of  # noqa: E402
 from serving_probes import child_pids, cpu_model, cpu_s  # noqa: E402
 
-from loraserve.adapter_store.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
 from loraserve.adapter_store.payload_file import PayloadKey, open_payload  # noqa: E402
 from loraserve.clients.adapter_fetch import AdapterDownload, _stream, fetch_adapter  # noqa: E402
 from loraserve.clients.chunk_sink import ChunkSink  # noqa: E402
-from loraserve.clients.store_client import StoreClient  # noqa: E402
-from loraserve.contract.adapter_layout import MODULES  # noqa: E402
 from loraserve.contract.chunk_codec import encode_chunk  # noqa: E402
 from loraserve.inference_worker.adapters.store_source import CHANNEL_OPTIONS, StoreSource  # noqa: E402
 from loraserve.inference_worker.fetching.process import FetchProcess  # noqa: E402
@@ -70,17 +66,6 @@ def runs(fn: Callable[[], T], repeats: int, before: Callable[[], object] | None 
         if i:
             out.append(result)
     return out
-
-
-def repeat(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Seconds of `fn` over `repeats` runs after one warm-up."""
-
-    def timed() -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    return runs(timed, repeats)
 
 
 def stream_parts(call, adapter_id: str) -> tuple[float, float]:  # type: ignore[no-untyped-def]
@@ -218,18 +203,18 @@ def parts_alone(tier_file: Path, size: int, repeats: int, rows: dict[str, list[f
     """The store's and the receiving side's work on the payload, each alone in this process."""
     key = PayloadKey.from_file_name(tier_file.name)
     assert key is not None
-    rows["store: disk tier read + sha256 (in this process)"] = repeat(
+    rows["store: disk tier read + sha256 (in this process)"] = times_of(
         lambda: open_payload(tier_file, key, size).read(), repeats
-    )
-    rows["store: same, making the chunk messages"] = repeat(
+    )[0]
+    rows["store: same, making the chunk messages"] = times_of(
         lambda: open_payload(tier_file, key, size).read(chunks=[], step=CHUNK), repeats
-    )
+    )[0]
     payload = open_payload(tier_file, key, size).read().payload.numpy().tobytes()
-    rows["store: encode the chunk messages from memory"] = repeat(
+    rows["store: encode the chunk messages from memory"] = times_of(
         lambda: [encode_chunk(o, memoryview(payload)[o : o + CHUNK]) for o in range(0, size, CHUNK)],
         repeats,
-    )
-    rows["sha256, one thread"] = repeat(lambda: hashlib.sha256(payload).digest(), repeats)
+    )[0]
+    rows["sha256, one thread"] = times_of(lambda: hashlib.sha256(payload).digest(), repeats)[0]
     if FetchProcess.supported():
         with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
             os.posix_fallocate(f.fileno(), 0, size)
@@ -256,38 +241,13 @@ def main() -> int:
     args = p.parse_args()
     config = SHAPES[args.shape]
     rows: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        (tmp_path / "base").mkdir()
-        (tmp_path / "base" / "config.json").write_text(json.dumps(config))
-        for seed, name in enumerate(("bench", "other")):
-            spec = DemoAdapterSpec(
-                name, r=args.rank, lora_alpha=2 * args.rank, target_modules=MODULES, seed=seed
-            )
-            write_peft_adapter(tmp_path / "root" / name, config, spec, dtype=torch.bfloat16,
-                               base_model_name=config["_name_or_path"])  # fmt: skip
-        tier = tmp_path / "tier"
-        store, address = start_store(
-            ["--host", "127.0.0.1", "--base-model", str(tmp_path / "base"), "--adapter-root", str(tmp_path / "root"),
-             "--data-dir", str(tmp_path / "data"), "--cache-dir", str(tier), "--cache-max-adapters", "1",
-             "--log-level", "WARNING"],
-            cwd=str(ROOT),
-        )  # fmt: skip
-        try:
-            wait_ready(address, store)
-            with StoreClient(address) as client:
-                size = client.register("bench", "bench").size_bytes
-                client.register("other", "other")
+    with tempfile.TemporaryDirectory() as tier:  # the store's disk tier, read again after it stops
+        with store_with_adapters(
+            config, ["bench", "other"], args.rank, cache_max_adapters=1, cache_dir=Path(tier)
+        ) as (store, address, size):
             streams(address, size, args.repeats, rows)
             asyncio.run(worker_fetches(address, store.pid, args.repeats, rows))
-        finally:
-            store.terminate()
-            try:
-                store.wait(30)
-            except subprocess.TimeoutExpired:
-                store.kill()
-                store.wait()
-        parts_alone(next(tier.glob("bench@*.payload")), size, args.repeats, rows)
+        parts_alone(next(Path(tier).glob("bench@*.payload")), size, args.repeats, rows)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     print(f"\none fetch of a {args.shape}-shaped rank-{args.rank} adapter (all seven modules, {size / 1e6:.1f} MB), "

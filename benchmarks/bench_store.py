@@ -25,8 +25,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import torch
@@ -53,6 +54,7 @@ LLAMA3_8B = {
     "vocab_size": 128256,
     "torch_dtype": "bfloat16",
 }
+T = TypeVar("T")
 
 
 def _pass_through(stream: object) -> None:
@@ -89,11 +91,19 @@ def wait_ready(address: str, proc: subprocess.Popen, timeout: float = 60.0) -> N
 
 @contextlib.contextmanager
 def store_with_adapters(
-    config: dict, names: list[str], rank: int, *, first_seed: int = 0, cache_max_adapters: int | None = None
+    config: dict,
+    names: list[str],
+    rank: int,
+    *,
+    first_seed: int = 0,
+    cache_max_adapters: int | None = None,
+    cache_dir: Path | None = None,
 ) -> Iterator[tuple[subprocess.Popen, str, int]]:
     """A store process on port 0 (its data in a temporary directory, the base model `config`), with
     a PEFT adapter of `rank` on all seven modules registered under each of `names` (seeds from
-    `first_seed`); -> (the process, its address, one payload's bytes). Stopped on exit."""
+    `first_seed`); -> (the process, its address, one payload's bytes). Its disk tier in `cache_dir`
+    when given (kept after the store: its payload files may be read then), else in its data.
+    Stopped on exit (killed if it has not ended 30 s after its SIGTERM)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         base = tmp_path / "base"
@@ -111,6 +121,8 @@ def store_with_adapters(
                 base_model_name=config["_name_or_path"],
             )
         cache = [] if cache_max_adapters is None else ["--cache-max-adapters", str(cache_max_adapters)]
+        if cache_dir is not None:
+            cache += ["--cache-dir", str(cache_dir)]
         store, address = start_store(
             ["--host", "127.0.0.1", "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
              "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING", *cache],
@@ -125,18 +137,30 @@ def store_with_adapters(
             yield store, address, payload_bytes
         finally:
             store.terminate()
-            store.wait()
+            try:
+                store.wait(30)
+            except subprocess.TimeoutExpired:
+                store.kill()
+                store.wait()
 
 
-def timed(fn, repeats: int) -> tuple[tuple[float, float], object]:
-    """((median, best) seconds over repeats after one warm-up call, last result). On a shared
-    machine the best run shows the ceiling, the median what to expect."""
+def times_of(fn: Callable[[], T], repeats: int) -> tuple[list[float], T]:
+    """(seconds of each of `repeats` calls of `fn` after one warm-up call, the last call's result);
+    a call's result is let go before the next call, so none is held while another is timed."""
     result = fn()
     times = []
     for _ in range(repeats):
+        del result
         t0 = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - t0)
+    return times, result
+
+
+def timed(fn: Callable[[], T], repeats: int) -> tuple[tuple[float, float], T]:
+    """((median, best) seconds over repeats after one warm-up call, last result). On a shared
+    machine the best run shows the ceiling, the median what to expect."""
+    times, result = times_of(fn, repeats)
     return (statistics.median(times), min(times)), result
 
 
