@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
-from contextlib import AbstractContextManager, aclosing, nullcontext
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import AbstractContextManager, aclosing, contextmanager, nullcontext, suppress
 from typing import Any
 
 import grpc
@@ -33,8 +33,11 @@ class Backend:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self._clients: dict[str, ClientTurns] = {}
-        # the clients of workers that left, each closed by its task once its calls are over
+        self._running: dict[ClientTurns, int] = {}  # the calls running on each worker's clients
+        # the clients of workers that left, each closed by its task once no call runs on them (its
+        # event in _idle set)
         self._retiring: dict[asyncio.Task[None], ClientTurns] = {}
+        self._idle: dict[ClientTurns, asyncio.Event] = {}
         self._router: WorkerRouter | None = None
         self._fleet: tuple[str, ...] = ()
         self._discovered_at = float("-inf")
@@ -50,8 +53,7 @@ class Backend:
         return self._store
 
     # ------------------------------------------------------------------------------ workers
-    def client(self, address: str) -> AsyncWorkerClient:
-        """The next of the worker's clients in turn."""
+    def _turns(self, address: str) -> ClientTurns:
         turns = self._clients.get(address)
         if turns is None:
             turns = self._clients[address] = ClientTurns(
@@ -61,7 +63,26 @@ class Backend:
                 timeout=self.config.request_timeout_s,
                 interceptors=tracing.client_interceptors(),  # the worker continues the request's trace
             )
-        return turns.next()
+        return turns
+
+    def client(self, address: str) -> AsyncWorkerClient:
+        """The next of the worker's clients in turn."""
+        return self._turns(address).next()
+
+    @contextmanager
+    def _calling(self, address: str) -> Iterator[AsyncWorkerClient]:
+        """The client of one call (the worker's next turn), counted among the calls running on the
+        worker's clients until the block ends."""
+        turns = self._turns(address)
+        self._running[turns] = self._running.get(turns, 0) + 1
+        try:
+            yield turns.next()
+        finally:
+            self._running[turns] -= 1
+            if not self._running[turns]:
+                del self._running[turns]
+                if turns in self._idle:
+                    self._idle[turns].set()
 
     async def _discover(self) -> None:
         """Rebuild the router when the set of live workers changed."""
@@ -88,14 +109,23 @@ class Backend:
                 self._retire(self._clients.pop(address))
 
     def _retire(self, turns: ClientTurns) -> None:
-        """Close a departed worker's clients once the calls that may still run on them are over
-        (no call outlives request_timeout_s); a worker that comes back gets new ones."""
+        """Close a departed worker's clients as soon as no call runs on them, cancelling those still
+        running after request_timeout_s (none outlives it); a worker that comes back gets new ones.
+        Not grpc.aio's Channel.close(grace): cancelled within its grace, as when the gateway closes,
+        it leaves the channel closing but open, its calls running, and a second close() does nothing."""
+        idle = self._idle[turns] = asyncio.Event()
+        if turns not in self._running:
+            idle.set()
 
-        async def later() -> None:
-            await asyncio.sleep(self.config.request_timeout_s)
-            await turns.close()
+        async def close_when_idle() -> None:
+            try:
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(idle.wait(), self.config.request_timeout_s)
+            finally:
+                self._idle.pop(turns, None)
+                await turns.close()  # cancels the calls still running
 
-        task = asyncio.ensure_future(later())
+        task = asyncio.ensure_future(close_when_idle())
         self._retiring[task] = turns
         task.add_done_callback(lambda t: self._retiring.pop(t, None))
 
@@ -133,8 +163,8 @@ class Backend:
         last: grpc.RpcError | None = None
         for address, view in await self.candidates(adapter_id):
             try:
-                with self._routed(view):
-                    out = await self.client(address).generate(adapter_id=adapter_id, **kw)
+                with self._routed(view), self._calling(address) as client:
+                    out = await client.generate(adapter_id=adapter_id, **kw)
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE:  # type: ignore[attr-defined]
                     raise
@@ -152,9 +182,9 @@ class Backend:
         for address, view in await self.candidates(adapter_id):
             started = False
             try:
-                # an async generator, typed as an iterator by the client
-                stream = self.client(address).generate_stream(adapter_id=adapter_id, **kw)
-                with self._routed(view):
+                with self._routed(view), self._calling(address) as client:
+                    # an async generator, typed as an iterator by the client
+                    stream = client.generate_stream(adapter_id=adapter_id, **kw)
                     async with aclosing(stream) as deltas:  # type: ignore[type-var]
                         async for delta in deltas:
                             started = True
@@ -175,7 +205,8 @@ class Backend:
         """The base model's name: --model-name, else what the (first) worker reports."""
         if not self._base_model:
             address, _ = (await self.candidates(""))[0]
-            self._base_model = (await self.client(address).info()).model
+            with self._calling(address) as client:
+                self._base_model = (await client.info()).model
         return self._base_model
 
     async def adapters(self) -> list[adapter_pb2.AdapterInfo]:
@@ -188,9 +219,12 @@ class Backend:
         for turns in self._clients.values():
             await turns.close()
         self._clients.clear()
-        for task, turns in list(self._retiring.items()):  # their calls end with the server
+        for task, turns in list(self._retiring.items()):  # their calls end with the server: cancelled now
             task.cancel()
             await turns.close()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        self._retiring.clear()
+        self._idle.clear()
         if self._store is not None:
             await self._store.close()
             self._store = None

@@ -14,6 +14,7 @@ import pytest
 
 from loraserve.gateway.backend import Backend
 from loraserve.gateway.config import GatewayConfig
+from loraserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.gateway import ADAPTERS, openai_client, start_worker
 
 
@@ -86,26 +87,123 @@ def test_worker_connections_must_be_positive() -> None:
         GatewayConfig(worker="127.0.0.1:1", worker_connections=0)
 
 
-def test_a_departed_worker_s_clients_close_once_their_calls_are_over(monkeypatch) -> None:
+class HeldWorker(worker_pb2_grpc.InferenceWorkerServicer):
+    """A worker whose generations are held until `release` is set (a stream sends one delta first)."""
+
+    def __init__(self) -> None:
+        self.started, self.release = asyncio.Event(), asyncio.Event()
+
+    async def GetWorkerInfo(self, request, context):  # type: ignore[no-untyped-def]
+        return worker_pb2.WorkerInfo()
+
+    async def ListAdapters(self, request, context):  # type: ignore[no-untyped-def]
+        return worker_pb2.ListWorkerAdaptersResponse()
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        self.started.set()
+        await self.release.wait()
+        return worker_pb2.GenerateResponse(text="done", adapter_id=request.adapter_id)
+
+    async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
+        yield worker_pb2.GenerateStreamResponse(text="first")
+        self.started.set()
+        await self.release.wait()
+        yield worker_pb2.GenerateStreamResponse(text="last")
+
+
+async def serve_held() -> tuple[HeldWorker, grpc.aio.Server, str]:
+    worker, server = HeldWorker(), grpc.aio.server()
+    worker_pb2_grpc.add_InferenceWorkerServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return worker, server, f"127.0.0.1:{port}"
+
+
+STAYS = "127.0.0.1:1"  # (refuses connections: the router marks it down)
+
+
+def departing_backend(monkeypatch, address: str) -> Backend:
+    """A backend whose first discovery sees STAYS and `address`, every later one STAYS alone; its
+    calls' deadline (request_timeout_s) is far longer than any test waits."""
     import loraserve.gateway.backend as backend_module
 
-    fleets = [["a:1", "b:1"], ["a:1"]]
-    monkeypatch.setattr(backend_module, "discover_workers", lambda url, prefix: fleets.pop(0))
-    backend = Backend(
-        GatewayConfig(redis_url="redis://127.0.0.1:1", worker_connections=2, request_timeout_s=0.2)
+    fleets = [[STAYS, address]]
+    monkeypatch.setattr(
+        backend_module, "discover_workers", lambda url, prefix: fleets.pop() if fleets else [STAYS]
     )
+    return Backend(GatewayConfig(redis_url="redis://127.0.0.1:1", worker_connections=2, request_timeout_s=60))
+
+
+async def depart(backend: Backend) -> None:
+    backend._discovered_at = float("-inf")
+    await backend._discover()
+
+
+SHUT = grpc.ChannelConnectivity.SHUTDOWN
+
+
+def test_a_departed_worker_s_idle_clients_close_at_once_the_rest_at_close(monkeypatch) -> None:
+    backend = departing_backend(monkeypatch, "b:1")
 
     async def go() -> None:
         await backend._discover()
-        a, b = backend.client("a:1"), backend.client("b:1")
-        backend._discovered_at = float("-inf")
-        await backend._discover()  # b left the fleet
-        assert list(backend._clients) == ["a:1"] and backend.client("a:1") is not a  # (a's next turn)
-        shut = grpc.ChannelConnectivity.SHUTDOWN
-        assert b.channel.get_state() != shut  # a call on it may still run
-        await asyncio.sleep(0.4)
-        assert b.channel.get_state() == shut and not backend._retiring
+        a, b = backend.client(STAYS), backend.client("b:1")
+        await depart(backend)  # b left the fleet
+        assert list(backend._clients) == [STAYS] and backend.client(STAYS) is not a  # (a's next turn)
+        await asyncio.wait_for(asyncio.gather(*backend._retiring), 5)  # no call runs on them
+        assert b.channel.get_state() == SHUT and not backend._retiring
         await backend.close()
-        assert a.channel.get_state() == shut and not backend._clients
+        assert a.channel.get_state() == SHUT and not backend._clients
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["generate", "stream"])
+def test_a_departed_worker_s_call_completes_then_its_clients_close_at_once(monkeypatch, streamed) -> None:
+    async def go() -> None:
+        worker, server, address = await serve_held()
+        backend = departing_backend(monkeypatch, address)
+
+        async def call() -> str:
+            if not streamed:
+                return (await backend.generate("x", prompt="Hi")).text
+            return "".join([d.text async for d in backend.stream("x", prompt="Hi")])
+
+        try:
+            running = asyncio.create_task(call())
+            await asyncio.wait_for(worker.started.wait(), 10)
+            clients = backend._clients[address].clients
+            await depart(backend)
+            await asyncio.sleep(0.3)
+            assert backend._retiring and not running.done()
+            assert all(c.channel.get_state() != SHUT for c in clients)  # a call runs on one of them
+            worker.release.set()
+            assert await asyncio.wait_for(running, 10) == ("firstlast" if streamed else "done")
+            await asyncio.wait_for(asyncio.gather(*backend._retiring), 5)  # not the 60 s deadline
+            assert all(c.channel.get_state() == SHUT for c in clients) and not backend._retiring
+        finally:
+            await backend.close()
+            await server.stop(None)
+
+    asyncio.run(go())
+
+
+def test_closing_the_gateway_cancels_a_departed_worker_s_calls(monkeypatch) -> None:
+    async def go() -> None:
+        worker, server, address = await serve_held()
+        backend = departing_backend(monkeypatch, address)
+        try:
+            running = asyncio.create_task(backend.generate("x", prompt="Hi"))
+            await asyncio.wait_for(worker.started.wait(), 10)
+            clients = backend._clients[address].clients
+            await depart(backend)
+            await asyncio.sleep(0.1)
+            assert backend._retiring and not running.done()
+            await asyncio.wait_for(backend.close(), 5)  # not the 60 s deadline
+            assert not backend._retiring and all(c.channel.get_state() == SHUT for c in clients)
+            with pytest.raises(asyncio.CancelledError):  # (grpc.aio's end of a call cancelled here)
+                await asyncio.wait_for(running, 5)
+        finally:
+            await server.stop(None)
 
     asyncio.run(go())
