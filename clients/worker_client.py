@@ -166,7 +166,7 @@ def build_request(
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt is not None:
-        req.prompt_token_ids.extend(int(t) for t in prompt)
+        req.prompt_token_ids.extend(prompt)
     return req
 
 
@@ -308,12 +308,19 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
         )
         return _generation(r)
 
+    def open_stream(
+        self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
+    ) -> grpc.aio.UnaryStreamCall:
+        """The GenerateStream call itself: its GenerateStreamResponse messages as they come (`async
+        for`), for a caller that reads them raw (the load generator); it cancels the call when done."""
+        return self.stub.GenerateStream(
+            build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
+        )
+
     async def generate_stream(
         self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
     ) -> AsyncIterator[Delta]:
-        call = self.stub.GenerateStream(
-            build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
-        )
+        call = self.open_stream(prompt, timeout=timeout, **kw)
         try:
             async for r in call:
                 yield _delta(r)

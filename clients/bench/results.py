@@ -22,7 +22,7 @@ from loraserve.clients.tables import format_table
 PERCENTILES = (50, 90, 99)
 
 
-@dataclass
+@dataclass(slots=True)  # (one object a request, kept for the whole run)
 class RequestRecord:
     index: int
     adapter_id: str

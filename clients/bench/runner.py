@@ -20,6 +20,7 @@ from loraserve.clients.bench import worker_metrics
 from loraserve.clients.bench.results import RequestRecord, latency_ms, summarize
 from loraserve.clients.bench.targets import Target, TargetError
 from loraserve.clients.bench.workload import BenchRequest
+from loraserve.serving.gc_tuning import rare_collections
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,12 @@ class Runner:
             lags.append(max(0.0, time.perf_counter() - due))
 
     async def run(self, stream: Iterable[BenchRequest]) -> RunResult:
+        """Drive the stream to its end; the process's garbage collector runs rarely meanwhile
+        (`rare_collections`: its pauses would delay sends and the reading of streams)."""
+        with rare_collections():
+            return await self._run(stream)
+
+    async def _run(self, stream: Iterable[BenchRequest]) -> RunResult:
         self._t0 = self.clock()
         wall0, cpu0 = time.perf_counter(), time.thread_time()  # this thread runs the loop
         lags: list[float] = []

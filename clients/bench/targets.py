@@ -7,18 +7,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import grpc
 
 from loraserve.clients.bench.workload import BenchRequest
 from loraserve.clients.router import WorkerRouter
-from loraserve.clients.worker_client import AsyncWorkerClient, ClientTurns, Delta
+from loraserve.clients.worker_client import AsyncWorkerClient, ClientTurns
 from loraserve.contract.streaming import MAX_STREAM_INTERVAL
+from loraserve.v1 import worker_pb2
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):  # (a tuple: one is made for every message of every stream)
     tokens: int  # output tokens in this chunk
     prompt_tokens: int | None = None  # set on the last chunk when the server reports usage
     completion_tokens: int | None = None
@@ -67,9 +67,10 @@ class Sampling:
         return f", tokens {k} to a message" if k > 1 else ", a message per token" if k == 1 else ""
 
 
-def _generate(client: AsyncWorkerClient, request: BenchRequest, s: Sampling) -> AsyncIterator[Delta]:
-    """The worker's stream of deltas for one benchmark request."""
-    return client.generate_stream(
+def _open(client: AsyncWorkerClient, request: BenchRequest, s: Sampling) -> grpc.aio.UnaryStreamCall:
+    """The worker's stream for one benchmark request, its messages read raw (no Delta, no text: the
+    generator's own cost a message limits the rate it can drive); the caller cancels it."""
+    return client.open_stream(
         request.prompt,
         adapter_id=request.adapter_id,
         max_tokens=request.max_tokens,
@@ -80,12 +81,12 @@ def _generate(client: AsyncWorkerClient, request: BenchRequest, s: Sampling) -> 
     )
 
 
-def _chunk(delta: Delta, worker: str) -> Chunk:
-    u = delta.usage
-    if u is None:
-        return Chunk(len(delta.token_ids), worker=worker)
+def _chunk(r: worker_pb2.GenerateStreamResponse, worker: str) -> Chunk:
+    if not r.HasField("usage"):  # (all but the stream's last message)
+        return Chunk(len(r.token_ids), worker=worker)
+    u = r.usage
     return Chunk(
-        len(delta.token_ids),
+        len(r.token_ids),
         u.prompt_tokens,
         u.completion_tokens,
         worker,
@@ -142,12 +143,14 @@ class WorkerTarget:
         return int((await self.client.info()).vocab_size) or None
 
     async def stream(self, request: BenchRequest) -> AsyncIterator[Chunk]:
-        s = self.sampling
+        call = _open(self.turns.next(), request, self.sampling)
         try:
-            async for delta in _generate(self.turns.next(), request, s):
-                yield _chunk(delta, self.address)
+            async for r in call:
+                yield _chunk(r, self.address)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc) from None
+        finally:
+            call.cancel()
 
     async def close(self) -> None:
         await self.turns.close()
@@ -202,9 +205,13 @@ class RouterTarget:
             started = False
             try:
                 with self.router.routed(w):
-                    async for delta in _generate(self.turns[w.address].next(), request, s):
-                        started = True
-                        yield _chunk(delta, w.address)
+                    call = _open(self.turns[w.address].next(), request, s)
+                    try:
+                        async for r in call:
+                            started = True
+                            yield _chunk(r, w.address)
+                    finally:
+                        call.cancel()
             except grpc.aio.AioRpcError as exc:
                 if started or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise _rpc_error(exc) from None

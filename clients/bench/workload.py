@@ -14,6 +14,8 @@ import itertools
 import json
 import math
 import random
+import sys
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,7 +133,7 @@ class RequestStream:
         arrivals = random.Random(f"{seed}:arrivals")
         adapters = random.Random(f"{seed}:adapters")
         lengths = random.Random(f"{seed}:lengths")
-        tokens = random.Random(f"{seed}:tokens").random
+        tokens = random.Random(f"{seed}:tokens")
         ids, cum = spec.adapter_ids, self._cum_weights
         total = cum[-1] if cum else 0.0
         t = 0.0
@@ -148,11 +150,23 @@ class RequestStream:
                 prompt, max_tokens = p.text, p.max_tokens or max_tokens
             else:
                 n = lengths.randint(*spec.prompt_len)
-                prompt = [int(tokens() * spec.vocab_size) for _ in range(n)]
+                prompt = _random_tokens(tokens, n, spec.vocab_size)
             yield BenchRequest(i, t, adapter, prompt, max_tokens)
 
     def take(self, n: int) -> list[BenchRequest]:
         return list(itertools.islice(iter(self), n))
+
+
+_U32 = next(t for t in "IL" if array(t).itemsize == 4)
+
+
+def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """n tokens in [0, vocab_size) from 4 random bytes each (little-endian on any machine, so a seed
+    gives the same prompts everywhere; the modulo's bias is below vocab_size / 2^32)."""
+    words = array(_U32, rng.randbytes(4 * n))
+    if sys.byteorder == "big":
+        words.byteswap()
+    return [w % vocab_size for w in words]
 
 
 def _index(cum: Sequence[float], x: float) -> int:

@@ -5,9 +5,12 @@ router across two workers; and the summary and metric-delta arithmetic on known 
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import time
+import types
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -17,11 +20,13 @@ from loraserve.adapter_store.demo import DemoAdapterSpec
 from loraserve.clients.bench.cli import bench_main
 from loraserve.clients.bench.results import RequestRecord, format_summary, percentiles, summarize
 from loraserve.clients.bench.runner import GeneratorLoad, RunLimits, Runner, run_benchmark
-from loraserve.clients.bench.targets import Chunk, Sampling, TargetError, WorkerTarget
+from loraserve.clients.bench.targets import Chunk, RouterTarget, Sampling, TargetError, WorkerTarget
 from loraserve.clients.bench.workload import BenchRequest, RequestStream, WorkloadSpec, adapter_ids
 from loraserve.clients.router import discover_workers
-from loraserve.clients.worker_client import Delta, WorkerClient
+from loraserve.clients.worker_client import WorkerClient
 from loraserve.inference_worker.server import BackgroundWorker
+from loraserve.serving.gc_tuning import no_collections
+from loraserve.v1 import worker_pb2
 from tests.helpers.lora_store import start_demo_store
 from tests.helpers.workers import worker_config
 
@@ -321,6 +326,45 @@ def test_unknown_adapter_is_counted_by_status(served, tmp_path: Path) -> None:
     assert s["errors"] == {"NOT_FOUND": s["failed"]}
 
 
+def test_a_run_leaves_nothing_for_the_garbage_collector(served) -> None:
+    """A run holds the collector back (rare_collections): that is sound only while a request's
+    client-side objects (its call, stream, chunks, record, a failure's exception) are freed by
+    reference counts. Streams that complete and streams the worker refuses, through the router too."""
+    _, workers, ids = served
+    ok = WorkloadSpec(
+        adapter_ids=ids, prompt_len=(4, 8), output_len=(2, 5), vocab_size=100, rate=400.0, seed=5
+    )
+    refused = replace(ok, vocab_size=10**6)  # prompt tokens beyond the worker's vocabulary
+
+    async def run(make, spec: WorkloadSpec):
+        target = make()  # (grpc.aio channels belong to the loop that opens them)
+        await target.start()
+        try:
+            runner = Runner(target, RunLimits(num_requests=12), progress_interval_s=None)
+            return (await runner.run(RequestStream(spec))).records
+        finally:
+            await target.close()
+
+    kinds = (RequestRecord, BenchRequest, Chunk, grpc.aio.Call, asyncio.Future, BaseException)
+    kinds += (types.TracebackType, types.FrameType, types.CoroutineType, types.AsyncGeneratorType)
+    one = workers[0].address
+    asyncio.run(run(lambda: WorkerTarget(one, Sampling()), ok))  # (first-use caches filled)
+    with no_collections():
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            records = asyncio.run(run(lambda: WorkerTarget(one, Sampling(stream_interval=2)), ok))
+            records += asyncio.run(run(lambda: WorkerTarget(one, Sampling()), refused))
+            addresses = [w.address for w in workers]
+            records += asyncio.run(run(lambda: RouterTarget(addresses, Sampling()), ok))
+            gc.collect()
+            cycles = [type(o).__qualname__ for o in gc.garbage if isinstance(o, kinds)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert [r.status for r in records] == ["OK"] * 12 + ["INVALID_ARGUMENT"] * 12 + ["OK"] * 12
+    assert cycles == []
+
+
 def test_unreachable_target_is_a_clear_error(capsys) -> None:
     from tests.helpers.ports import free_port
 
@@ -491,13 +535,20 @@ def test_a_worker_target_takes_its_connections_in_turn(capsys, monkeypatch) -> N
     monkeypatch.setattr(worker_client.AsyncWorkerClient, "_open", staticmethod(recording_open))
     used: list[int] = []
 
+    class Call:  # a GenerateStream call of one message
+        async def __aiter__(self):
+            yield worker_pb2.GenerateStreamResponse(request_id="r", token_ids=[1])
+
+        def cancel(self) -> bool:
+            return False
+
     class Client:
         def __init__(self, i: int) -> None:
             self.i = i
 
-        async def generate_stream(self, prompt, **kw):
+        def open_stream(self, prompt, **kw):
             used.append(self.i)
-            yield Delta("r", "x", [1], finish_reason="length")
+            return Call()
 
     async def go() -> None:  # (grpc.aio channels belong to an event loop)
         with pytest.raises(ValueError, match="connections must be >= 1"):
