@@ -136,12 +136,17 @@ def store_with_adapters(
                     payload_bytes = client.register(name, name).size_bytes
             yield store, address, payload_bytes
         finally:
-            store.terminate()
-            try:
-                store.wait(30)
-            except subprocess.TimeoutExpired:
-                store.kill()
-                store.wait()
+            stop(store)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL for a process not ended 30 s later."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def times_of(fn: Callable[[], T], repeats: int) -> tuple[list[float], T]:
@@ -303,8 +308,7 @@ def main() -> int:
                 by_origin = origin_latencies(client, ch, staging, tmp_path / "tier", args.repeats)
             assert received > size and fetched.digest == info.digest
         finally:
-            proc.terminate()
-            proc.wait(30)
+            stop(proc)
 
         payload_file = tmp_path / "payload.bin"
         payload_file.write_bytes(fetched.buffer.numpy().tobytes())

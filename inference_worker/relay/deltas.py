@@ -1,7 +1,7 @@
 """A streamed generation's running output as the worker sends it to its front: the fields of a
 GenerateStreamResponse without logprobs or usage, as plain values, so the worker's event loop
 builds no message; the front (its own interpreter) builds and serializes it. Consecutive deltas of
-one completion that queued in the front while it was busy go out as one message (`merged`)."""
+one completion that queued in the front while it was busy go out as one message (`merged_run`)."""
 
 from __future__ import annotations
 
