@@ -118,6 +118,8 @@ class WorkerServer:
         self.stopped = asyncio.Event()
         self._stopping = False
         self._stopping_failed: asyncio.Future[None] | None = None
+        # from the start's wait for the fronts until they have all connected: the first front's end
+        self._front_exit: asyncio.Future[WorkerError] | None = None
         self.metrics = WorkerMetrics(self.engine, self.config.metrics_top_adapters)
         if self.adapters is not None:
             self.adapters.register_metrics(self.metrics.registry, self.metrics.per_adapter)
@@ -157,14 +159,13 @@ class WorkerServer:
         self.engine.start()
         if self.front is not None and self.relay is not None:
             await self.relay.start(self.front.socket_path)
-            await self._await_fronts()
 
             def on_front_exit(code: int) -> None:  # on a watcher thread
-                failure = DependencyUnavailable(f"the worker's front process exited ({code})")
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self.fail, failure)
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
+                    loop.call_soon_threadsafe(self._front_exited, code)
 
             self.front.watch(on_front_exit)
+            await self._await_fronts()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         # last: a caller that reaches the worker (directly, or through the front) finds it whole
@@ -201,21 +202,35 @@ class WorkerServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.stop(FAILED_GRACE_S)  # the calls in flight have all been ended
 
+    def _front_exited(self, code: int) -> None:
+        """A front ended before `stop` (on the loop): before they have all connected, that fails the
+        start (`_await_fronts`; the ends after the first are that failed start's too); after, the
+        worker."""
+        failure = DependencyUnavailable(f"the worker's front process exited ({code})")
+        if self._front_exit is None:
+            self.fail(failure)
+        elif not self._front_exit.done():
+            self._front_exit.set_result(failure)
+
     async def _await_fronts(self) -> None:
         """Until every front has connected to the relay; a front that ends first (or the time
         running out) fails the start with why."""
-        assert self.front is not None and self.relay is not None
-        end = time.monotonic() + FRONT_CONNECT_S
-        while not self.relay.connected.is_set():
-            ended = [p.returncode for p in self.front.procs if p.poll() is not None]
-            if ended:
-                raise DependencyUnavailable(f"the worker's front process exited ({ended[0]})")
-            if time.monotonic() > end:
-                raise DependencyUnavailable(
-                    f"the worker's front processes did not connect within {FRONT_CONNECT_S:.0f} s"
-                )
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.relay.connected.wait(), 0.1)
+        assert self.relay is not None
+        exited = self._front_exit = asyncio.get_running_loop().create_future()
+        connected = asyncio.ensure_future(self.relay.connected.wait())
+        try:
+            await asyncio.wait(
+                {exited, connected}, timeout=FRONT_CONNECT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            connected.cancel()
+        if exited.done():
+            raise exited.result()
+        if not self.relay.connected.is_set():
+            raise DependencyUnavailable(
+                f"the worker's front processes did not connect within {FRONT_CONNECT_S:.0f} s"
+            )
+        self._front_exit = None  # from now on a front's end fails the worker
 
     async def stop(self, grace: float | None = 0.0) -> None:
         """Stop the server and the engine (once; a second call waits for the first)."""

@@ -257,3 +257,56 @@ def test_a_taken_port_fails_every_front_and_leaves_nothing(tiny_model_dir) -> No
     finally:
         front.stop()
     assert all(p.poll() is not None for p in front.procs) and not os.path.exists(front.socket_path)
+
+
+def _spawns(monkeypatch, joining_port: int | None = None) -> list:
+    """(FrontProcess, its front's arguments) for each front spawned from now on; with
+    `joining_port`, a joining front joins that port instead of the first front's, so that only it
+    fails to listen when that one is taken."""
+    from loraserve.inference_worker.relay import launch
+
+    spawned: list = []
+    spawn = launch.FrontProcess._spawn
+
+    def recorded(self, args: list[str]):  # type: ignore[no-untyped-def]
+        if joining_port is not None and "--joining" in args:
+            i = args.index("--port") + 1
+            args = [*args[:i], str(joining_port), *args[i + 1 :]]
+        spawned.append((self, args))
+        return spawn(self, args)
+
+    monkeypatch.setattr(launch.FrontProcess, "_spawn", recorded)
+    return spawned
+
+
+def _start_with(monkeypatch, signum: int, front: int, config) -> None:
+    """start_worker(config), with the signal sent to one of the fronts between the worker's
+    construction and its start (its fronts listen, none has connected to the relay yet)."""
+    from loraserve.inference_worker import server as worker_server
+
+    create = worker_server.create_server
+
+    def created(config):  # type: ignore[no-untyped-def]
+        server, port = create(config)
+        os.kill(server.front.procs[front].pid, signum)
+        return server, port
+
+    monkeypatch.setattr(worker_server, "create_server", created)
+    asyncio.run(worker_server.start_worker(config))
+
+
+def test_a_front_that_never_connects_fails_the_start_in_time(tiny_model_dir, monkeypatch) -> None:
+    """A joining front listens, then stalls (stopped) before it connects: the start fails once the
+    fronts' time to connect has run out, and the stalled front is ended too."""
+    from loraserve.inference_worker import server as worker_server
+    from loraserve.inference_worker.relay import launch
+
+    monkeypatch.setattr(worker_server, "FRONT_CONNECT_S", 1.0)
+    monkeypatch.setattr(launch, "STOP_WAIT_S", 0.5)  # (a stopped front is killed after it)
+    spawned = _spawns(monkeypatch)
+    config = worker_config(tiny_model_dir, stream_process=True, stream_processes=2)
+    started = time.monotonic()
+    with pytest.raises(DependencyUnavailable, match="did not connect within 1 s"):
+        _start_with(monkeypatch, signal.SIGSTOP, 1, config)
+    assert time.monotonic() - started < 20
+    assert all(p.poll() is not None for p in spawned[0][0].procs)
