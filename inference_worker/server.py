@@ -116,6 +116,7 @@ class WorkerServer:
         self.engine, self.adapters, self.followers = worker.engine, worker.adapters, worker.followers
         self.failure: WorkerError | None = None  # why the worker stopped serving on its own
         self.stopped = asyncio.Event()
+        self._grpc_started = False
         self._stopping = False
         self._stopping_failed: asyncio.Future[None] | None = None
         # from the start's wait for the fronts until they have all connected: the first front's end
@@ -170,6 +171,7 @@ class WorkerServer:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         # last: a caller that reaches the worker (directly, or through the front) finds it whole
         await self.grpc_server.start()
+        self._grpc_started = True
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.adapters is not None:
@@ -248,6 +250,11 @@ class WorkerServer:
             await asyncio.to_thread(self.front.stop, FRONT_EXIT_S)
             if grace is not None:  # one grace for both: what is left of it
                 grace = max(0.0, end - time.monotonic())
+        if not self._grpc_started:
+            # the start failed: gRPC listens on a port from when it is added and releases it only
+            # when a started server stops, so the server starts, and stops at once
+            await self.grpc_server.start()
+            grace = 0.0
         await self.grpc_server.stop(grace)
         await asyncio.to_thread(self.engine.shutdown)
         if self.adapters is not None:

@@ -1,7 +1,8 @@
 """What the stream relay (`--stream-process`) adds to a worker's life: the front process and the
 worker end together, whichever goes first, and a public port that is taken fails the start as the
-worker's own would. (The service itself through the relay: test_service.py runs every test both
-ways.)"""
+worker's own would; a front that fails later (a joining one that cannot listen, one that ends or
+stalls before it connects) fails it too and leaves nothing behind. (The service itself through the
+relay: test_service.py runs every test both ways.)"""
 
 from __future__ import annotations
 
@@ -259,6 +260,18 @@ def test_a_taken_port_fails_every_front_and_leaves_nothing(tiny_model_dir) -> No
     assert all(p.poll() is not None for p in front.procs) and not os.path.exists(front.socket_path)
 
 
+def _free(port: int) -> bool:
+    """Whether 127.0.0.1:port can be listened on (nothing holds it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past connections in TIME_WAIT)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True
+
+
 def _spawns(monkeypatch, joining_port: int | None = None) -> list:
     """(FrontProcess, its front's arguments) for each front spawned from now on; with
     `joining_port`, a joining front joins that port instead of the first front's, so that only it
@@ -279,6 +292,23 @@ def _spawns(monkeypatch, joining_port: int | None = None) -> list:
     return spawned
 
 
+def test_a_joining_front_that_cannot_listen_stops_every_front_and_leaves_nothing(monkeypatch) -> None:
+    """The first front listens, then a joining one fails to (it is pointed at a taken port: nothing
+    can take the first front's port from it): every front ends, the first's port is free again."""
+    from loraserve.inference_worker.relay.launch import FrontProcess
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        spawned = _spawns(monkeypatch, joining_port=taken.getsockname()[1])
+        with pytest.raises(PortUnavailable, match="cannot listen on 127.0.0.1"):
+            FrontProcess("127.0.0.1", 0, "127.0.0.1:1", count=3)
+    front = spawned[0][0]
+    assert len(front.procs) == 3 and front.port > 0  # the first listened, then a joining one failed
+    assert all(p.poll() is not None for p in front.procs) and not os.path.exists(front.socket_path)
+    assert _free(front.port)
+
+
 def _start_with(monkeypatch, signum: int, front: int, config) -> None:
     """start_worker(config), with the signal sent to one of the fronts between the worker's
     construction and its start (its fronts listen, none has connected to the relay yet)."""
@@ -293,6 +323,29 @@ def _start_with(monkeypatch, signum: int, front: int, config) -> None:
 
     monkeypatch.setattr(worker_server, "create_server", created)
     asyncio.run(worker_server.start_worker(config))
+
+
+@pytest.mark.parametrize("ended", [0, 1], ids=["first", "joining"])
+def test_a_front_that_ends_before_connecting_fails_the_start_and_leaves_nothing(
+    tiny_model_dir, monkeypatch, ended: int
+) -> None:
+    """A front listens, then ends before it connects to the relay: the start fails at once with
+    that front's exit, and the engine's thread, the fronts, the relay socket and both ports (the
+    public one, and the worker's private one, which its gRPC server bound but never served) do not
+    outlive it."""
+    import threading
+
+    spawned = _spawns(monkeypatch)
+    config = worker_config(tiny_model_dir, stream_process=True, stream_processes=2)
+    started = time.monotonic()
+    with pytest.raises(DependencyUnavailable, match=r"front process exited \(-9\)"):
+        _start_with(monkeypatch, signal.SIGKILL, ended, config)
+    assert time.monotonic() - started < 20  # at once, not after the fronts' 30 s to connect
+    front, args = spawned[0]
+    private = int(args[args.index("--core") + 1].rsplit(":", 1)[1])
+    assert not [t for t in threading.enumerate() if t.name == "engine-step"]
+    assert all(p.poll() is not None for p in front.procs) and not os.path.exists(front.socket_path)
+    assert _free(front.port) and _free(private)
 
 
 def test_a_front_that_never_connects_fails_the_start_in_time(tiny_model_dir, monkeypatch) -> None:
