@@ -120,6 +120,7 @@ def build_request(
     add_generation_prompt: bool | None = None,
     adapter_id: str = "",
     max_tokens: int = 0,
+    fill_context: bool = False,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 0.0,
@@ -138,9 +139,11 @@ def build_request(
 ) -> worker_pb2.GenerateRequest:
     """A GenerateRequest from a prompt (text or token ids) or chat `messages`; zero values mean
     the server's defaults (n 1, repetition_penalty 1.0 = off, the worker's stream interval).
+    `fill_context`: with max_tokens 0, as many tokens as the context leaves, not the default.
     `stream_interval` k: a stream's tokens come k to a message (its first alone, at once)."""
     sampling = worker_pb2.SamplingParams(
         max_tokens=max_tokens,
+        fill_context=fill_context,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,

@@ -114,6 +114,8 @@ def chat_plan(req: ChatCompletionRequest, config: GatewayConfig, base_model: str
         raise _refuse("messages", f"{size} characters, over this server's limit of {config.max_prompt_chars}")
     kw = _sampling(req, config)
     kw["max_tokens"] = req.max_completion_tokens or req.max_tokens or 0
+    if not kw["max_tokens"]:  # OpenAI's chat has no default: a completion may fill the context
+        kw["fill_context"] = True
     kw["messages"] = messages
     if not req.add_generation_prompt:
         kw["add_generation_prompt"] = False

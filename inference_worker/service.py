@@ -53,6 +53,7 @@ def sampling_from_pb(
     `stream_interval` is the request's (GenerateRequest.stream_interval, 0 = the worker's)."""
     return SamplingParams(
         max_tokens=s.max_tokens,
+        fill_context=s.fill_context,
         temperature=s.temperature,
         top_k=s.top_k,
         top_p=s.top_p if s.top_p != 0 else 1.0,

@@ -76,14 +76,19 @@ class RequestBuilder:
             raise InvalidRequest("the prompt is empty: send a prompt, prompt_token_ids or messages")
         return ids, eos
 
-    def _max_tokens(self, num_prompt_tokens: int, asked: int) -> int:
-        """max_tokens for a prompt of that length (the default when 0 was asked), checked to fit."""
+    def _max_tokens(self, num_prompt_tokens: int, asked: int, fill_context: bool) -> int:
+        """max_tokens for a prompt of that length, checked to fit; when 0 was asked, the default,
+        or with `fill_context` what the context (max_model_len, or the KV cache) leaves."""
         cfg, n = self.config, num_prompt_tokens
         if n >= cfg.max_model_len:
             raise InvalidRequest(
                 f"prompt ({n} tokens) leaves no room to generate within max_model_len {cfg.max_model_len}"
             )
-        max_tokens = asked or min(cfg.default_max_tokens, cfg.max_model_len - n)
+        if asked or not fill_context:
+            max_tokens = asked or min(cfg.default_max_tokens, cfg.max_model_len - n)
+        else:
+            context = min(cfg.max_model_len, self.blocks.num_usable_blocks * cfg.block_size)
+            max_tokens = context - n
         if n + max_tokens > cfg.max_model_len or max_tokens <= 0:
             raise InvalidRequest(
                 f"prompt ({n} tokens) plus max_tokens ({asked or max_tokens}) "
@@ -124,7 +129,7 @@ class RequestBuilder:
             raise ValueError("stop strings need the text: a request with them is detokenized here")
         check_sampling_params(p, cfg.max_num_seqs)
         ids, eos = self._prompt_ids(prompt, prompt_token_ids, messages, add_generation_prompt)
-        max_tokens = self._max_tokens(len(ids), p.max_tokens)
+        max_tokens = self._max_tokens(len(ids), p.max_tokens, p.fill_context)
         if max_tokens != p.max_tokens:
             p = replace(p, max_tokens=max_tokens)
         if not p.stream_interval:  # the engine's, once, rather than at every step

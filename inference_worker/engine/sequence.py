@@ -31,6 +31,8 @@ class SequenceStatus(enum.Enum):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
+    # with max_tokens 0: what the context leaves after the prompt, not the engine's default
+    fill_context: bool = False
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = no limit
     top_p: float = 1.0

@@ -100,8 +100,9 @@ class SamplingParams(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    FILL_CONTEXT_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """Maximum tokens to generate; 0 means the server default (16)."""
+    """Maximum tokens to generate; 0 means the server default (16), or see fill_context."""
     temperature: _builtins.float
     """0 = greedy; otherwise softmax temperature (must be >= 0)."""
     top_k: _builtins.int
@@ -134,6 +135,10 @@ class SamplingParams(_message.Message):
     """Hugging Face repetition penalty (> 0; 0 means 1.0 = off) over prompt and generated tokens:
     a positive logit is divided by it, a negative one multiplied.
     """
+    fill_context: _builtins.bool
+    """With max_tokens 0: as many tokens as the context leaves after the prompt (max_model_len, or
+    the KV cache where that is smaller), not the server default; OpenAI chat's default.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop when the output text contains any of these (not included in the output)."""
@@ -159,10 +164,11 @@ class SamplingParams(_message.Message):
         presence_penalty: _builtins.float = ...,
         frequency_penalty: _builtins.float = ...,
         repetition_penalty: _builtins.float = ...,
+        fill_context: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "fill_context", b"fill_context", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from loraserve.clients.worker_client import WorkerClient
-from tests.helpers.gateway import ADAPTERS
+from tests.helpers.gateway import ADAPTERS, openai_client, start_worker
 
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -163,3 +163,31 @@ def test_stop_strings_end_the_completion(client) -> None:
     )
     assert out.choices[0].text == text[: text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def short_context_worker(tiny_model_dir, gateway_store):
+    bg = start_worker(tiny_model_dir, gateway_store, max_model_len=80)
+    yield bg
+    bg.stop()
+
+
+def test_chat_without_max_tokens_generates_until_the_context_is_full(
+    short_context_worker, start_gateway
+) -> None:
+    """OpenAI's chat endpoints have no default max_tokens (a completion ends at a stop or the
+    context's end); the legacy completions endpoint's default is 16."""
+    gw = start_gateway(worker=short_context_worker.address)
+    with WorkerClient(short_context_worker.address, timeout=30) as w:
+        base = w.info().model
+    with openai_client(gw.url) as c:
+        kw = dict(model=base, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
+        out = c.chat.completions.create(**kw)
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage.prompt_tokens + out.usage.completion_tokens == 80
+        chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+        legacy = c.completions.create(
+            model=base, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert legacy.usage.completion_tokens == 16

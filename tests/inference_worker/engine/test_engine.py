@@ -246,6 +246,23 @@ def test_validation(tiny_model_dir: Path, tok) -> None:
         engine.submit(engine.make_sequence("q3", "hi", [], SamplingParams(), lambda _: None))
 
 
+def test_fill_context_asks_for_the_room_the_context_leaves(tiny_model_dir: Path, tok) -> None:
+    """max_tokens 0 with fill_context: max_model_len less the prompt (OpenAI chat's default), or
+    the KV cache less the prompt where that is smaller; an explicit max_tokens still wins."""
+    ids = tok.encode(PROMPTS[0]).ids
+
+    def max_tokens(engine: LLMEngine, **kw) -> int:
+        seq = engine.make_sequence("f", "", ids, SamplingParams(**kw), lambda _: None)
+        return seq.params.max_tokens
+
+    engine = make_engine(tiny_model_dir, max_model_len=64, num_blocks=64, default_max_tokens=7)
+    assert max_tokens(engine, max_tokens=0, fill_context=True) == 64 - len(ids)
+    assert max_tokens(engine, max_tokens=3, fill_context=True) == 3
+    assert max_tokens(engine, max_tokens=0) == 7
+    small_kv = make_engine(tiny_model_dir, max_model_len=512, num_blocks=5)  # 4 usable blocks of 16
+    assert max_tokens(small_kv, max_tokens=0, fill_context=True) == 4 * 16 - len(ids)
+
+
 def test_abort_frees_blocks(tiny_model_dir: Path, tok) -> None:
     engine = make_engine(tiny_model_dir)
     start = engine.num_free_blocks
