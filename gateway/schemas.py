@@ -18,6 +18,8 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Seed = Annotated[int, Field(ge=0, lt=1 << 64)]
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+# the worker's int32 fields: a larger count is a 400 here, not a failure to build the request
+MaxTokens = Annotated[int, Field(ge=1, lt=1 << 31)]
 
 
 class _Request(BaseModel):
@@ -32,7 +34,7 @@ class SamplingFields(_Request):
     """What both endpoints share; top_k, repetition_penalty and ignore_eos are extensions (as vLLM's)."""
 
     model: str = Field(min_length=1, max_length=512)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: MaxTokens | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
@@ -44,7 +46,7 @@ class SamplingFields(_Request):
     frequency_penalty: Penalty = 0.0
     user: str | None = Field(default=None, max_length=256)
     # extensions
-    top_k: Annotated[int, Field(ge=0)] = 0
+    top_k: Annotated[int, Field(ge=0, lt=1 << 31)] = 0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     ignore_eos: bool = False
     # refused unless neutral (see requests.py)
@@ -81,7 +83,7 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # extension (as vLLM's)

@@ -41,6 +41,8 @@ def test_unknown_model_is_404(client) -> None:
         (dict(extra_body={"logit_bias": {"5": 1.0}}), "logit_bias"),
         (dict(top_p=0.0), "top_p"),
         (dict(max_tokens=100_000), "max_model_len"),  # the worker's own check, INVALID_ARGUMENT
+        (dict(max_tokens=1 << 31), "max_tokens"),  # past the worker's int32 fields: not a 500
+        (dict(extra_body={"top_k": 1 << 40}), "top_k"),
         (dict(prompt=""), "prompt is empty"),
         (dict(prompt=["a", "b"]), "one prompt per request"),
     ],
@@ -59,6 +61,11 @@ def test_invalid_chat_requests_are_400(client) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=ADAPTERS[0], messages=[{"role": "wizard", "content": "Hi"}])
     assert "wizard" in e.value.body["message"]  # the worker's chat template check
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=ADAPTERS[0], messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=1 << 40
+        )
+    assert e.value.body["param"] == "max_completion_tokens"
 
 
 def test_api_key_refused_and_accepted(gateway) -> None:
