@@ -4,6 +4,7 @@ the workers' and the store's gRPC status codes to HTTP status codes."""
 from __future__ import annotations
 
 import logging
+import re
 
 import grpc
 from fastapi import FastAPI, Request
@@ -59,14 +60,36 @@ def unknown_model(model: str) -> APIError:
     return APIError(404, f"the model {model!r} does not exist", "not_found_error", "model")
 
 
+# pydantic puts the union member a value failed in into the error's loc ('str', 'list[TextPart]',
+# 'constrained-str'); no field of the API is named like one
+_UNION_MEMBER = re.compile(r"str|int|float|bool|[a-z]+-[a-z]+|\w+\[.*\]|[A-Z]\w*")
+_JSON_OBJECT = "send a JSON object with Content-Type: application/json"
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """The first problem, naming its field as a dotted path (`messages.0.role`)."""
+    """The first problem, naming its field as a dotted path (`messages.0.role`). A value that no
+    member of a union accepts fails once per member; the member that got deepest into the value is
+    the one the client meant (a list of parts with a bad part, not a string)."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    field = ".".join(loc) or None
+    loc = list(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        where = f" (at character {loc[-1]})" if len(loc) > 1 else ""
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}{where}", None
+    if loc[:1] == ["body"] and len(loc) == 1:
+        if first.get("type") == "missing":
+            return f"the request body is empty: {_JSON_OBJECT}", None
+        return f"the request body must be a JSON object: {_JSON_OBJECT}", None
+    same_field = [e for e in errors if list(e.get("loc", ()))[:2] == loc[:2]]
+    first = max(same_field, key=lambda e: len(e.get("loc", ())))  # the first of the deepest
+    path = [
+        str(p)
+        for p in first.get("loc", ())
+        if p != "body" and not (isinstance(p, str) and _UNION_MEMBER.fullmatch(p))
+    ]
+    field = ".".join(path) or None
     return (f"{field}: {first.get('msg')}" if field else str(first.get("msg"))), field
 
 

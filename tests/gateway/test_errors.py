@@ -4,6 +4,7 @@ overloaded 429, draining 503, missing key 401, wrong key 403, body over the limi
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -66,6 +67,35 @@ def test_invalid_chat_requests_are_400(client) -> None:
             model=ADAPTERS[0], messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=1 << 40
         )
     assert e.value.body["param"] == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        (b"{not json", "the request body is not valid JSON: Expecting property name", None),
+        (b"", "the request body is empty", None),
+        (b"[1, 2]", "the request body must be a JSON object", None),
+        # a value no member of a union accepts: the member the value was meant for, no member tags
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content.0.type: Input should be 'text'",
+            "messages.0.content.0.type",
+        ),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: ", "messages.0.content"),
+        ({"stop": [""]}, "stop.0: String should have at least 1 character", "stop.0"),
+    ],
+)
+def test_malformed_bodies_name_what_is_wrong(gateway, body, message, param) -> None:
+    headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    if isinstance(body, dict):
+        body = json.dumps(
+            {"model": ADAPTERS[0], "messages": [{"role": "user", "content": "Hi"}], **body}
+        ).encode()
+    r = httpx.post(gateway.url + "/v1/chat/completions", content=body, headers=headers)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["message"].startswith(message), error
+    assert error["param"] == param and error["type"] == "invalid_request_error"
 
 
 def test_api_key_refused_and_accepted(gateway) -> None:
