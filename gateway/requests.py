@@ -12,6 +12,8 @@ from loraserve.gateway.errors import APIError
 from loraserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI samples with when a request sets none
+# OpenAI's roles the chat templates know by another name: "developer" is its newer "system"
+ROLES = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def chat_plan(req: ChatCompletionRequest, config: GatewayConfig, base_model: str
         raise _refuse("response_format", f"only 'text' is supported, not {req.response_format.type!r}")
     if req.top_logprobs and not req.logprobs:
         raise _refuse("top_logprobs", "needs logprobs: true")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [{"role": ROLES.get(m.role, m.role), "content": m.text()} for m in req.messages]
     size = sum(len(m["content"]) for m in messages)
     if size > config.max_prompt_chars:
         raise _refuse("messages", f"{size} characters, over this server's limit of {config.max_prompt_chars}")

@@ -82,6 +82,16 @@ def test_chat_whole_and_streamed(client, gateway_worker, base_name) -> None:
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
+def test_a_developer_message_is_a_system_message(client, base_name) -> None:
+    """OpenAI's newer name for the system role ("developer"), as its clients send it."""
+    kw = dict(model=base_name, max_tokens=6, temperature=0)
+    developer = [{"role": "developer", "content": "Be brief."}, *MESSAGES[1:]]
+    out = client.chat.completions.create(messages=developer, **kw)
+    want = client.chat.completions.create(messages=MESSAGES, **kw)
+    assert out.choices[0].message.content == want.choices[0].message.content
+    assert out.usage.prompt_tokens == want.usage.prompt_tokens
+
+
 def test_n_completions_with_a_seed(client) -> None:
     kw = dict(model=ADAPTERS[0], prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7)
     out = client.completions.create(n=3, **kw)
