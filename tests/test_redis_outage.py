@@ -92,3 +92,69 @@ def test_services_ride_out_a_redis_outage(system) -> None:
         assert w.generate(PROMPT, adapter_id=cached, max_tokens=6).token_ids == before
         assert w.generate(PROMPT, adapter_id=other, max_tokens=6).token_ids == other_tokens
         assert w.generate(PROMPT, adapter_id=late, max_tokens=6).token_ids != base
+
+
+def test_a_change_the_store_check_finds_during_an_outage_reaches_redis_after(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A store with its own registry (SQLite) and a worker on Redis: the worker learns of a
+    re-registration by its store check and announces it through the Redis stream. Found while Redis
+    is down, the announcement waits for Redis instead of being dropped, so the stale copy goes."""
+    from loraserve.adapter_store.config import StoreConfig
+    from loraserve.adapter_store.demo import write_demo_adapters
+    from loraserve.inference_worker.config import WorkerConfig
+    from tests.helpers.ports import free_port
+
+    replaced, other, _ = (s.name for s in DEMO_ADAPTERS)
+    server = PrivateRedis(tmp_path)
+    server.start()
+    write_demo_adapters(tmp_path / "adapters", tiny_model_dir)
+    store = BackgroundStore(
+        StoreConfig(
+            base_model=str(tiny_model_dir),
+            port=0,
+            data_dir=str(tmp_path / "store"),
+            adapter_root=str(tmp_path / "adapters"),
+            serving_dtype="float32",
+            log_level="WARNING",
+        )
+    )
+    port = free_port()
+    worker = BackgroundWorker(
+        WorkerConfig(
+            model=str(tiny_model_dir),
+            port=port,
+            device="cpu",
+            dtype="float32",
+            store_address=store.address,
+            redis_url=server.url,
+            redis_prefix="loraserve-check:",
+            worker_id="w-check",
+            max_loras=2,
+            max_cpu_loras=4,
+            num_kv_blocks=128,
+            max_num_seqs=8,
+            advertise_address=f"127.0.0.1:{port}",
+            adapter_poll_interval_s=0.1,
+            log_level="ERROR",
+        )
+    )
+    try:
+        with StoreClient(store.address) as s:
+            old = s.register(replaced, replaced)
+        with WorkerClient(worker.address, timeout=60) as w:
+            assert w.generate(PROMPT, adapter_id=replaced, max_tokens=2).adapter_digest == old.digest
+            server.stop()
+            with StoreClient(store.address) as s:
+                new = s.register(replaced, other, overwrite=True)  # the store needs no Redis
+            assert new.digest != old.digest
+            time.sleep(1.0)  # several rounds of the store check, each finding the change
+            server.start()
+            _wait(
+                lambda: w.generate(PROMPT, adapter_id=replaced, max_tokens=2).adapter_digest == new.digest,
+                what="the change announced once Redis is back",
+            )
+    finally:
+        worker.stop()
+        store.stop()
+        server.stop()

@@ -68,10 +68,17 @@ class CoordinatorSync:
         return len(events)
 
     def publish_queued(self) -> int:
+        """Publish the queued invalidations in order; returns how many went out. One the
+        coordinator could not take (Redis unreachable: no event id) stays queued with those after
+        it for the next round: the store check announces a change once, so a dropped one would
+        leave every worker's stale copy in place for good."""
         with self._outbox_lock:
             queued, self._outbox = self._outbox, []
-        for adapter_id, digest, reason in queued:
-            self.coordinator.publish_invalidation(adapter_id, digest, reason)
+        for i, (adapter_id, digest, reason) in enumerate(queued):
+            if not self.coordinator.publish_invalidation(adapter_id, digest, reason):
+                with self._outbox_lock:
+                    self._outbox[:0] = queued[i:]
+                return i
         return len(queued)
 
     def flush_residency(self) -> int:
