@@ -4,8 +4,10 @@ of the root, keys built from unvalidated parts) and check file sizes before read
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -59,38 +61,77 @@ class AdapterSource(ABC):
 class LocalSource(AdapterSource):
     def __init__(self, root: Path, relative: str) -> None:
         self.root = root.resolve()
-        directory = (self.root / relative).resolve()
+        directory = _resolve(self.root / relative, f"source {relative!r}")
         if not directory.is_relative_to(self.root):
             raise InvalidArgument(f"source {relative!r} resolves outside the adapter root")
         self.directory = directory
         self.uri = str(directory.relative_to(self.root)) or "."
 
     def _path(self, name: str) -> Path:
-        path = (self.directory / name).resolve()
+        path = _resolve(self.directory / name, f"{self.uri}/{name}")
         if not path.is_relative_to(self.root):
             raise InvalidArgument(f"{self.uri}/{name} is a symlink that leaves the adapter root")
         return path
 
     def size(self, name: str) -> int | None:
-        path = self._path(name)
-        return path.stat().st_size if path.is_file() else None
+        """Size of whatever is at `name`: read() refuses anything but a regular file."""
+        try:
+            return self._path(name).stat().st_size
+        except OSError as exc:
+            err = _os_error(exc, f"{self.uri}/{name}")
+            if isinstance(err, NotFound):
+                return None
+            raise err from exc
 
     def read(self, name: str, max_bytes: int) -> bytes:
         path = self._path(name)
+        where = f"{self.uri}/{name}"
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            raise NotFound(f"{self.uri}: {name} not found") from None
+            # O_NONBLOCK: opening a FIFO for reading would wait for a writer (and hold the thread)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         except OSError as exc:
-            raise FailedPrecondition(f"{self.uri}: cannot read {name}: {exc.strerror}") from exc
+            raise _os_error(exc, where) from exc
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise InvalidArgument(f"{where} is not a regular file")
         with os.fdopen(fd, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise InvalidArgument(f"{self.uri}/{name} is {size} bytes, over the limit of {max_bytes}")
-            data = f.read(max_bytes + 1)
+            if st.st_size > max_bytes:
+                raise InvalidArgument(f"{where} is {st.st_size} bytes, over the limit of {max_bytes}")
+            try:
+                data = f.read(max_bytes + 1)
+            except OSError as exc:
+                raise _os_error(exc, where) from exc
         if len(data) > max_bytes:
-            raise InvalidArgument(f"{self.uri}/{name} grew over the limit of {max_bytes} bytes while read")
+            raise InvalidArgument(f"{where} grew over the limit of {max_bytes} bytes while read")
         return data
+
+
+def _resolve(path: Path, what: str) -> Path:
+    """path.resolve(), with a symlink loop or a name the filesystem refuses as a StoreError."""
+    try:
+        return path.resolve()
+    except RuntimeError:  # Python < 3.13 reports a symlink loop with RuntimeError
+        raise InvalidArgument(f"{what} is a symlink loop") from None
+    except OSError as exc:
+        raise _os_error(exc, what) from exc
+
+
+def _os_error(exc: OSError, what: str) -> StoreError:
+    """Classify a filesystem failure on a local source: absent -> NOT_FOUND, a name that cannot be
+    a checkpoint (too long, a symlink loop) -> INVALID_ARGUMENT, anything else (permissions, I/O)
+    -> FAILED_PRECONDITION."""
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return NotFound(f"{what} not found")
+    if exc.errno == errno.ELOOP:
+        return InvalidArgument(f"{what} is a symlink loop")
+    if exc.errno in (errno.ENAMETOOLONG, errno.EISDIR):
+        return InvalidArgument(f"{what}: {exc.strerror}")
+    return FailedPrecondition(f"{what}: cannot read: {exc.strerror}")
 
 
 class S3Source(AdapterSource):

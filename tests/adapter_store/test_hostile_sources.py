@@ -1,0 +1,89 @@
+"""Local sources that are not what they seem: symlink loops, names the filesystem refuses, files
+that are directories or FIFOs. Each is refused with a status naming the problem, promptly (a
+FIFO is never opened for a blocking read), and the store keeps serving afterwards."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from loraserve.v1 import store_pb2
+from tests.helpers import bad_checkpoints as bad
+
+C = grpc.StatusCode
+
+
+def _loop_dir(root: Path) -> str:
+    os.symlink("loop-b", root / "loop-a")
+    os.symlink("loop-a", root / "loop-b")
+    return "loop-a"
+
+
+def _loop_under(root: Path) -> str:
+    _loop_dir(root)
+    return "loop-a/inner"
+
+
+def _weights_loop(root: Path) -> str:
+    d = bad.copy_adapter(root / "peft-qv-r8", root / "weights-loop")
+    (d / bad.WEIGHTS).unlink()
+    os.symlink(bad.WEIGHTS, d / bad.WEIGHTS)
+    return "weights-loop"
+
+
+def _long_name(root: Path) -> str:
+    return "n" * 300
+
+
+def _long_name_under(root: Path) -> str:
+    return "peft-qv-r8/" + "n" * 300
+
+
+def _config_dir(root: Path) -> str:
+    d = bad.copy_adapter(root / "peft-qv-r8", root / "config-dir")
+    (d / bad.CONFIG).unlink()
+    (d / bad.CONFIG).mkdir()
+    return "config-dir"
+
+
+def _config_fifo(root: Path) -> str:
+    d = bad.copy_adapter(root / "peft-qv-r8", root / "config-fifo")
+    (d / bad.CONFIG).unlink()
+    os.mkfifo(d / bad.CONFIG)
+    return "config-fifo"
+
+
+def _weights_fifo(root: Path) -> str:
+    d = bad.copy_adapter(root / "peft-qv-r8", root / "weights-fifo")
+    (d / bad.WEIGHTS).unlink()
+    os.mkfifo(d / bad.WEIGHTS)
+    return "weights-fifo"
+
+
+CASES = [
+    ("symlink-loop", _loop_dir, C.INVALID_ARGUMENT, ["'loop-a'", "symlink loop"]),
+    ("symlink-loop-under", _loop_under, C.INVALID_ARGUMENT, ["'loop-a/inner'", "symlink loop"]),
+    ("weights-symlink-loop", _weights_loop, C.INVALID_ARGUMENT, [bad.WEIGHTS, "symlink loop"]),
+    ("name-too-long", _long_name, C.INVALID_ARGUMENT, ["File name too long"]),
+    ("name-too-long-under", _long_name_under, C.INVALID_ARGUMENT, ["File name too long"]),
+    ("config-is-a-directory", _config_dir, C.INVALID_ARGUMENT, [bad.CONFIG, "not a regular file"]),
+    ("config-is-a-fifo", _config_fifo, C.INVALID_ARGUMENT, [bad.CONFIG, "not a regular file"]),
+    ("weights-is-a-fifo", _weights_fifo, C.INVALID_ARGUMENT, [bad.WEIGHTS, "not a regular file"]),
+]
+
+
+@pytest.mark.parametrize("setup,code,fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_odd_local_sources_are_refused(setup, code, fragments, stub, adapter_root: Path) -> None:
+    source = setup(adapter_root)
+    request = store_pb2.RegisterAdapterRequest(adapter_id="candidate", source=source)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RegisterAdapter(request, timeout=10)
+    assert err.value.code() == code, err.value.details()
+    for f in fragments:
+        assert f in err.value.details(), (f, err.value.details())
+    # and the store still registers a good adapter
+    ok = store_pb2.RegisterAdapterRequest(adapter_id="good", source="peft-qv-r8")
+    assert stub.RegisterAdapter(ok, timeout=30).adapter_id == "good"
