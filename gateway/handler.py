@@ -4,7 +4,8 @@ error shape and records the request's metrics. Everything a request does starts 
 `handle`, the one place to wrap a request in a trace span.
 
 A client that goes away cancels its generation: a stream through Starlette's disconnect watch
-(the response task is cancelled, closing the worker call), a whole response through the watch below.
+(the response task is cancelled, closing the worker call) once it answers, before that (its first
+token not there yet: queued, a long prefill) and a whole response through the watch below.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
-from typing import Literal
+from typing import Literal, TypeVar
 
 import grpc
 from fastapi import Request, Response
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
-from loraserve.clients.worker_client import Delta, Generation
+from loraserve.clients.worker_client import Delta
 from loraserve.gateway.backend import Backend
 from loraserve.gateway.config import GatewayConfig
 from loraserve.gateway.errors import APIError
@@ -37,6 +38,7 @@ log = logging.getLogger("loraserve.gateway")
 Endpoint = Literal["completions", "chat.completions"]
 DONE = format_sse_event(data_str="[DONE]")
 CLIENT_CLOSED = 499  # the status recorded for a client that went away (nginx's convention)
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -89,7 +91,7 @@ class RequestHandler:
                 else chat_plan(body, self.config, base)
             )
             if plan.stream:
-                response = await self._stream(plan, endpoint, start, line)
+                response = await self._stream(request, plan, endpoint, start, line)
                 streaming = True  # the stream's own end records it
                 return response
             gen = await self._unless_disconnected(
@@ -127,7 +129,7 @@ class RequestHandler:
         }
         ACCESS_LOG.info("%s %s", endpoint, status, extra={"fields": {**fields, **line}})
 
-    async def _unless_disconnected(self, request: Request, call: Awaitable[Generation]) -> Generation:
+    async def _unless_disconnected(self, request: Request, call: Awaitable[T]) -> T:
         """The call's result, or ClientGone (the call cancelled) when the client leaves first."""
         task = asyncio.ensure_future(call)
         watch = asyncio.ensure_future(_disconnected(request))
@@ -137,16 +139,19 @@ class RequestHandler:
             watch.cancel()
             if not task.done():
                 task.cancel()  # cancels the worker's call: the worker frees the sequence
+                await asyncio.wait({task})  # a stream's generator is closed only once it stopped
         if not task.done() or task.cancelled():
             raise ClientGone()
         return task.result()
 
-    async def _stream(self, plan: Plan, endpoint: Endpoint, start: float, line: dict) -> Response:
+    async def _stream(
+        self, request: Request, plan: Plan, endpoint: Endpoint, start: float, line: dict
+    ) -> Response:
         """Waits for the first delta, so a failure before any token (unknown model, overload) is an
         HTTP error; then streams the rest as server-sent events ending in `data: [DONE]`."""
         deltas = self.backend.stream(plan.adapter_id, **plan.kwargs)
         try:
-            first = await anext(deltas)
+            first = await self._unless_disconnected(request, anext(deltas))
         except BaseException:
             await deltas.aclose()
             raise

@@ -138,3 +138,36 @@ def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_event(
         # the gateway's error event (the openai client raises it), not a dropped connection
         assert not isinstance(e.value, openai.APIConnectionError), repr(e.value)
         assert e.value.body is not None and e.value.body.get("type"), e.value.body
+
+
+def test_stream_disconnect_before_its_first_token_frees_the_request(
+    tiny_model_dir, gateway_store, start_gateway
+) -> None:
+    """A stream answers once its first token is there; a client that leaves before (its request
+    queued behind a running one) cancels it then, not once it would have run."""
+    from tests.gateway.conftest import openai_client, start_worker
+
+    worker = start_worker(tiny_model_dir, gateway_store, max_num_seqs=1)
+    try:
+        engine = worker.engine
+        gw = start_gateway(worker=worker.address)
+        gone = gw.app.state.metrics.disconnects
+        before = _cancelled(worker, "GenerateStream")
+        long = dict(model=ADAPTERS[0], max_tokens=2000, temperature=0, extra_body={"ignore_eos": True})
+        with openai_client(gw.url) as c:
+            running = c.completions.create(prompt="Once upon a time", stream=True, **long)
+            chunks = iter(running)
+            next(chunks)
+            body = {"model": ADAPTERS[0], "prompt": "Hello", "max_tokens": 4, "stream": True}
+            with pytest.raises(httpx.ReadTimeout):  # queued behind the running stream
+                with httpx.stream(
+                    "POST", gw.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5)
+                ) as r:
+                    r.read()
+            _wait_for(lambda: _cancelled(worker, "GenerateStream") == before + 1, timeout=10)
+            assert engine.num_waiting == 0 and engine.num_running == 1  # the first one runs on
+            _wait_for(lambda: gone._value.get() == 1)
+            next(chunks)
+            running.close()
+    finally:
+        worker.stop()
