@@ -29,6 +29,8 @@ MAX_HEADER_BYTES = 16 << 20
 # lock): a real entry takes ~150 bytes (name, dtype, shape, offsets), plus __metadata__.
 HEADER_BYTES_PER_TENSOR = 512
 HEADER_METADATA_BYTES = 64 << 10
+# Longest tensor name accepted: PEFT's names of a Llama-family model take ~70 characters.
+MAX_TENSOR_NAME_CHARS = 512
 # Deepest nesting of arrays/objects accepted in adapter_config.json or a safetensors header; real
 # ones nest 3 levels. Deeper input is refused, never a RecursionError.
 MAX_JSON_DEPTH = 32
@@ -68,7 +70,7 @@ def load_json(data: bytes, what: str) -> object:
     """Parse untrusted JSON: any malformed or too deeply nested input is InvalidArgument."""
     try:
         value = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int past int()'s digit limit
         raise InvalidArgument(f"{what} is not valid JSON: {exc}") from exc
     except RecursionError:  # the C decoder stops at the interpreter's recursion limit
         raise InvalidArgument(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
@@ -130,6 +132,11 @@ def parse_header(data: bytes | memoryview, *, max_tensors: int) -> tuple[list[Te
 
 
 def _tensor_header(name: str, info: object, data_len: int) -> TensorHeader:
+    if len(name) > MAX_TENSOR_NAME_CHARS:
+        raise InvalidArgument(
+            f"a tensor name is {len(name)} characters, over the limit of {MAX_TENSOR_NAME_CHARS}: "
+            f"{name[:100]!r}..."
+        )
     if not isinstance(info, dict):
         raise InvalidArgument(f"tensor {name!r}: header entry is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")

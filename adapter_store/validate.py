@@ -21,8 +21,11 @@ from loraserve.adapter_store.errors import FailedPrecondition, InvalidArgument, 
 from loraserve.adapter_store.pattern_keys import check_pattern_key, first_matching_key
 from loraserve.contract.adapter_layout import MODULES, module_shapes
 
+# The layer index as PEFT writes it: ASCII decimal without leading zeros (`\d` would take any
+# Unicode digit, and `layers.01` would name the weight of `layers.1` a second time), short enough
+# for int().
 _TENSOR_RE = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_(A|B)\.weight"
+    r"base_model\.model\.model\.layers\.(0|[1-9][0-9]{0,8})\.(self_attn|mlp)\.([a-z_]+)\.lora_(A|B)\.weight"
 )
 _PARENT = {
     "q_proj": "self_attn",
@@ -218,9 +221,13 @@ def _alpha(v: object, field_name: str) -> float:
     """lora_alpha or an alpha_pattern value: a finite number > 0. PEFT itself takes any number
     (scale = alpha / r), but 0 makes the adapter a no-op and a negative alpha negates its update:
     neither is what training produces, so both are refused as a broken config rather than served."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+    try:
+        number = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an int past the float range
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
         raise InvalidArgument(f"adapter_config.json: {field_name} must be a finite number > 0, got {v!r}")
-    return float(v)
+    return number
 
 
 def _pattern(v: object, field_name: str, kind: type) -> dict:

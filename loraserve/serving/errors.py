@@ -37,8 +37,27 @@ class ServiceError(Exception):
         return str(self)
 
 
+# Bytes of a status message as sent (grpc-message is percent-encoded: every byte outside printable
+# ASCII, and '%', takes 3). A client drops a response whose trailers pass 8 KiB (soft) or 16 KiB
+# (hard) with RESOURCE_EXHAUSTED, so a message that quotes a client's input (a tensor name, a
+# config value) is cut well below that.
+MAX_STATUS_MESSAGE_BYTES = 4096
+
+
 def status_of(exc: BaseException) -> tuple[StatusName, str]:
     """(status code name, message) for an exception raised while serving a request."""
     if isinstance(exc, ServiceError):
-        return exc.code, exc.message
-    return "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"
+        return exc.code, bounded_message(exc.message)
+    return "INTERNAL", bounded_message(f"internal error: {type(exc).__name__}: {exc}")
+
+
+def bounded_message(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> str:
+    """`message`, cut (marked with '...') where its percent-encoded form would pass `limit` bytes."""
+    if len(message) * 12 <= limit:  # at most 4 UTF-8 bytes a character, 3 encoded bytes each
+        return message
+    size = 0
+    for i, ch in enumerate(message):
+        size += 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "replace"))
+        if size > limit - 3:
+            return message[:i] + "..."
+    return message

@@ -194,3 +194,77 @@ def test_non_finite_alpha_is_refused(literal: str, stub, adapter_root: Path) -> 
     cfg["lora_alpha"] = "ALPHA"
     (d / bad.CONFIG).write_text(json.dumps(cfg).replace('"ALPHA"', literal))
     refused(stub, "alpha-nf", "lora_alpha must be a finite number > 0")
+
+
+# -- defect: numbers and names past Python's int/float conversions -------------------------------
+def _rename_first(d: Path, old: str, new: str) -> None:
+    header, data = bad.raw_header(d)
+    name = next(k for k in header if old in k)
+    header[name.replace(old, new)] = header.pop(name)
+    bad.write_raw_safetensors(d / bad.WEIGHTS, header, data)
+
+
+@pytest.mark.parametrize(
+    "literal,fragment",
+    [
+        ("9" * 5000, "adapter_config.json"),  # past int()'s 4,300-digit limit in the JSON parser
+        (str(10**400), "lora_alpha must be a finite number > 0"),  # an int too large for a float
+    ],
+    ids=["5000-digits", "1e400"],
+)
+def test_alpha_past_float_range_is_refused(literal: str, fragment: str, stub, adapter_root: Path) -> None:
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "alpha-big")
+    cfg = json.loads((d / bad.CONFIG).read_text())
+    cfg["lora_alpha"] = "ALPHA"
+    (d / bad.CONFIG).write_text(json.dumps(cfg).replace('"ALPHA"', literal))
+    refused(stub, "alpha-big", fragment)
+
+
+def test_header_number_past_int_digit_limit_is_refused(stub, adapter_root: Path) -> None:
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "dim-big")
+    header, data = bad.raw_header(d)
+    raw = json.dumps(header).encode().replace(b'"shape": [8, 64]', b'"shape": [' + b"9" * 5000 + b", 64]", 1)
+    (d / bad.WEIGHTS).write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    refused(stub, "dim-big", "adapter_model.safetensors header")
+
+
+@pytest.mark.parametrize(
+    "layer",
+    ["9" * 5000, "00", "01", "\u0661", "\uff11"],  # huge, leading zeros, Arabic-Indic and full-width digits
+    ids=["5000-digits", "00", "01", "arabic-indic-1", "fullwidth-1"],
+)
+def test_layer_index_must_be_plain_decimal(layer: str, stub, adapter_root: Path) -> None:
+    """A layer index is the decimal PEFT writes: one name per module, so no two tensors can stand
+    for the same weight (layers.1 and layers.01) and no index is parsed past the limits of int()."""
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "layer-name")
+    _rename_first(d, ".layers.1.", f".layers.{layer}.")
+    details = refused(stub, "layer-name", "layers.")
+    assert len(details) < 2000, len(details)
+
+
+def test_duplicate_module_under_two_names_is_refused(stub, adapter_root: Path) -> None:
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "dup-module")
+    name = bad.first_name(d, "layers.1.self_attn.q_proj.lora_A.weight")
+    bad.edit_tensors(d, lambda t: t.__setitem__(name.replace(".layers.1.", ".layers.01."), t[name] + 1))
+    refused(stub, "dup-module", "layers.01.")
+
+
+def test_huge_tensor_name_gets_a_bounded_message(stub, adapter_root: Path) -> None:
+    """A 64 KiB tensor name is refused with a message short enough for a gRPC status (the
+    client's metadata limit is 8 KiB by default)."""
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "long-name")
+    _rename_first(d, "q_proj.lora_A", "q_proj" + "x" * 65536 + ".lora_A")
+    details = refused(stub, "long-name", "a tensor name is", "characters, over the limit of 512")
+    assert len(details) < 2000, len(details)
+
+
+@pytest.mark.parametrize("field", ["r", "peft_type", "modules_to_save"])
+def test_huge_config_value_gets_a_bounded_message(field: str, stub, adapter_root: Path) -> None:
+    """A message that quotes a 100,000-character config value still reaches the client as the right status
+    (cut to a size gRPC delivers), not RESOURCE_EXHAUSTED from the client's metadata limit."""
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "huge-value")
+    bad.edit_config(d, **{field: "\u00e9" * 100_000})
+    with pytest.raises(grpc.RpcError) as err:
+        register(stub, "candidate", "huge-value")
+    assert err.value.code() in (C.INVALID_ARGUMENT, C.FAILED_PRECONDITION), err.value.details()
+    assert field in err.value.details() and err.value.details().endswith("...")

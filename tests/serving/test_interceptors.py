@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from loraserve.serving.background import BackgroundServer
-from loraserve.serving.errors import ServiceError, status_of
+from loraserve.serving.errors import MAX_STATUS_MESSAGE_BYTES, ServiceError, status_of
 from loraserve.serving.interceptors import BearerTokenInterceptor, ErrorStatusInterceptor
 
 C = grpc.StatusCode
@@ -85,6 +85,16 @@ def failure(call) -> tuple[grpc.StatusCode, str]:
 def test_status_of_maps_domain_errors_and_bugs() -> None:
     assert status_of(Missing("no adapter 'x'")) == ("NOT_FOUND", "no adapter 'x'")
     assert status_of(ValueError("bad")) == ("INTERNAL", "internal error: ValueError: bad")
+
+
+@pytest.mark.parametrize("text", ["x" * 100_000, "\u00e9" * 100_000, "%" * 100_000, "\U0001f600" * 100_000])
+def test_status_messages_are_cut_to_what_grpc_delivers(text: str) -> None:
+    """A message quoting a client's input is cut where its percent-encoded form (grpc-message)
+    passes MAX_STATUS_MESSAGE_BYTES, far under the client's 8 KiB metadata limit."""
+    _, message = status_of(Missing(f"bad value {text!r}"))
+    assert message.startswith("bad value '") and message.endswith("...")
+    encoded = sum(1 if " " <= c <= "~" and c != "%" else 3 * len(c.encode()) for c in message)
+    assert MAX_STATUS_MESSAGE_BYTES - 64 <= encoded <= MAX_STATUS_MESSAGE_BYTES
 
 
 def test_unary(channel: grpc.Channel) -> None:
