@@ -114,3 +114,48 @@ def test_a_frozen_redis_costs_staleness_not_latency(system) -> None:
             lambda: w.generate(PROMPT, adapter_id=resident, max_tokens=2).adapter_digest == new.digest,
             what="the invalidation applied",
         )
+
+
+def test_a_frozen_redis_does_not_hold_the_stores_fetches(system) -> None:
+    """The store's registry waits on a hung Redis for a bounded moment, then streams what its cache
+    holds under the last known record; while Redis stays hung it does not wait again for every
+    fetch, and what needs the registry fails UNAVAILABLE quickly instead of after every retry."""
+    import grpc
+
+    server, store, worker = system
+    names = [s.name for s in DEMO_ADAPTERS]
+    with StoreClient(store.address) as s:
+        for name in names:
+            s.register(name, name)
+    with StoreClient(store.address, timeout=60) as s:
+        for name in names:
+            s.fetch(name)  # in the store's cache; none on the worker
+    server.freeze()
+    try:
+        with WorkerClient(worker.address, timeout=8) as w:
+            for name in names:
+                t0 = time.monotonic()
+                assert w.generate(PROMPT, adapter_id=name, max_tokens=2).adapter_id == name
+                assert time.monotonic() - t0 < 4.0, name
+        with StoreClient(store.address, timeout=8) as s:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                s.delete(names[0])
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - t0 < 4.0
+    finally:
+        server.thaw()
+    with StoreClient(store.address, timeout=8) as s:
+        _wait(lambda: _deleted(s, names[0]), what="the registry back after Redis")
+
+
+def _deleted(s: StoreClient, adapter_id: str) -> bool:
+    import grpc
+
+    try:
+        s.delete(adapter_id)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return False
+        raise
+    return True
