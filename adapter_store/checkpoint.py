@@ -34,6 +34,11 @@ MAX_TENSOR_NAME_CHARS = 512
 # Deepest nesting of arrays/objects accepted in adapter_config.json or a safetensors header; real
 # ones nest 3 levels. Deeper input is refused, never a RecursionError.
 MAX_JSON_DEPTH = 32
+# Bounds of a tensor's shape, checked before its size is computed: a LoRA factor is 2-D, and no
+# dimension of a real one passes a few hundred thousand. Within them the size has at most ~120
+# digits (unbounded, the product of two 2,200-digit dimensions passes int-to-str's 4,300 digits).
+MAX_TENSOR_RANK = 8
+MAX_TENSOR_DIM = 1 << 48
 
 # safetensors dtype tag -> (torch dtype, bytes per element); only float types are accepted.
 FLOAT_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -146,10 +151,15 @@ def _tensor_header(name: str, info: object, data_len: int) -> TensorHeader:
         )
     if not (
         isinstance(shape, list)
-        and len(shape) <= 8
+        and len(shape) <= MAX_TENSOR_RANK
         and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
-        raise InvalidArgument(f"tensor {name!r} has a malformed shape {shape!r}")
+        raise InvalidArgument(f"tensor {name!r} has a malformed shape {str(shape)[:200]}")
+    if any(d > MAX_TENSOR_DIM for d in shape):
+        raise InvalidArgument(
+            f"tensor {name!r} has a dimension over {MAX_TENSOR_DIM} in its shape "
+            f"(rank {len(shape)}; no LoRA factor is that large)"
+        )
     if not (
         isinstance(offsets, list)
         and len(offsets) == 2

@@ -268,3 +268,27 @@ def test_huge_config_value_gets_a_bounded_message(field: str, stub, adapter_root
         register(stub, "candidate", "huge-value")
     assert err.value.code() in (C.INVALID_ARGUMENT, C.FAILED_PRECONDITION), err.value.details()
     assert field in err.value.details() and err.value.details().endswith("...")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        b"[" + b"9" * 4299 + b"]",
+        b"[" + b"9" * 2200 + b", " + b"9" * 2200 + b"]",
+        b"[0, " + b"9" * 4000 + b"]",
+    ],
+    ids=["one-4299-digit-dim", "two-2200-digit-dims", "zero-times-huge"],
+)
+def test_huge_dimension_is_refused_before_its_size_is_computed(
+    shape: bytes, stub, adapter_root: Path
+) -> None:
+    """A size of more than 4,300 digits cannot be formatted into a message (int-to-str's limit):
+    the dimensions are bounded first, and the refusal names the tensor."""
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "dim-huge")
+    header, data = bad.raw_header(d)
+    name = next(k for k in header if k.endswith("lora_A.weight"))
+    header[name]["dtype"] = "F64"
+    raw = json.dumps(header).encode().replace(b'"shape": [8, 64]', b'"shape": ' + shape, 1)
+    (d / bad.WEIGHTS).write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    details = refused(stub, "dim-huge", name, "has a dimension over")
+    assert len(details) < 2000, len(details)
