@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from serving_probes import cpu_model, cpu_s  # noqa: E402
 
+from loraserve.clients.bench.collector import rare_collections  # noqa: E402
 from loraserve.clients.bench.results import summarize  # noqa: E402
 from loraserve.clients.bench.runner import RunLimits, Runner  # noqa: E402
 from loraserve.clients.bench.targets import Sampling, WorkerTarget  # noqa: E402
@@ -219,7 +220,8 @@ def main() -> int:
         best = max((r for r in rows if r["sustained"]), key=lambda r: r["achieved_rate"], default=None)
         if args.floor and best is not None:
             rate = float(best["offered_rate"])  # type: ignore[arg-type]
-            floor = asyncio.run(_bare_rate(address, rate, args))
+            with rare_collections():  # (as the generator's runs hold the collector)
+                floor = asyncio.run(_bare_rate(address, rate, args))
             floor["generator_cpu_share"] = best["cpu_share"]  # the sweep's row at that rate
             print(json.dumps({"floor": floor}), flush=True)
     finally:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from loraserve.clients.bench import worker_metrics
+from loraserve.clients.bench.collector import rare_collections
 from loraserve.clients.bench.results import RequestRecord, latency_ms, summarize
 from loraserve.clients.bench.targets import Target, TargetError
 from loraserve.clients.bench.workload import BenchRequest
-from loraserve.serving.gc_tuning import rare_collections
 
 
 @dataclass(frozen=True)

@@ -50,30 +50,6 @@ def no_collections() -> Iterator[None]:
             gc.enable()
 
 
-# A load generator's objects of a request (its call, stream, messages, timing) are freed by
-# reference counts as the request ends: nothing for the collector to find, and each collection
-# stops the loop that sends requests and reads streams (measured: 10-90 ms pauses at a few hundred
-# requests/s, which made sends late). `rare_collections` keeps cycles collected, but only after this
-# many more objects are held than at its start (what a run keeps, its records, grows slowly).
-RARE_GEN0_THRESHOLD = 500_000
-
-
-@contextlib.contextmanager
-def rare_collections(gen0_threshold: int = RARE_GEN0_THRESHOLD) -> Iterator[None]:
-    """The youngest generation collected only every `gen0_threshold` net allocations inside (after
-    one collection first), the thresholds as they were after. Nothing is frozen: whatever froze
-    objects before still holds."""
-    if gen0_threshold < 1:
-        raise ValueError("gen0_threshold must be positive")
-    before = gc.get_threshold()
-    gc.collect()
-    gc.set_threshold(gen0_threshold, *before[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-
-
 @contextlib.contextmanager
 def python_default_gc() -> Iterator[None]:
     """Python's own collector settings inside (nothing frozen, its default youngest threshold), the

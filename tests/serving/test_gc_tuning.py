@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
 
 from loraserve.inference_worker.config import WorkerConfig
-from loraserve.serving.gc_tuning import GCPauses, rare_collections, tune_gc
+from loraserve.serving.gc_tuning import GCPauses, tune_gc
 
 
 @pytest.fixture
@@ -33,33 +32,6 @@ def test_tune_gc_freezes_what_is_alive_and_raises_gen0(restore_gc) -> None:
     del cycle
     assert gc.collect() >= 1  # cycles made after it are still collected
     assert ref not in {id(o) for o in gc.get_objects()}
-
-
-def test_rare_collections_raise_gen0_inside_and_still_collect_cycles(restore_gc) -> None:
-    before = gc.get_threshold()
-    with rare_collections(5_000):
-        assert gc.get_threshold() == (5_000, *before[1:])
-        assert gc.get_count()[0] < 100  # (one collection on the way in)
-        cycle = _dropped_cycle()
-        keep = [[] for _ in range(1_000)]
-        assert cycle() is not None  # not collected at Python's 700 allocations...
-        keep += [[] for _ in range(5_000)]
-        assert cycle() is None  # ... but once 5,000 more objects are held
-        del keep
-    assert gc.get_threshold() == before
-    with pytest.raises(ValueError, match="positive"), rare_collections(0):
-        pass
-
-
-class _Node:
-    pass
-
-
-def _dropped_cycle() -> weakref.ref:
-    """A weak reference to a reference cycle no longer reachable."""
-    node = _Node()
-    node.me = node  # type: ignore[attr-defined]
-    return weakref.ref(node)
 
 
 def test_tune_gc_refuses_a_threshold_below_one(restore_gc) -> None:
