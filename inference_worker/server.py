@@ -117,6 +117,7 @@ class WorkerServer:
         self.failure: WorkerError | None = None  # why the worker stopped serving on its own
         self.stopped = asyncio.Event()
         self._grpc_started = False
+        self._start_ended: asyncio.Event | None = None  # set once start() returned or raised
         self._stopping = False
         self._stopping_failed: asyncio.Future[None] | None = None
         # from the start's wait for the fronts until they have all connected: the first front's end
@@ -139,6 +140,19 @@ class WorkerServer:
         self.preloaded: PreloadReport | None = None  # what --preload-adapters loaded
 
     async def start(self) -> None:
+        """Start serving. A stop (or a failure) while it runs ends it at its next step with why
+        (gRPC's server must not be stopped while it starts: `stop` waits for this to end)."""
+        ended = self._start_ended = asyncio.Event()
+        try:
+            await self._start()
+        finally:
+            ended.set()
+
+    def _stopped_while_starting(self) -> None:
+        if self._stopping:
+            raise self.failure or DependencyUnavailable("the worker was stopped while it started")
+
+    async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if self.adapters is not None:
             # announced to the fleet (heartbeat, residency) only once it serves, below
@@ -149,6 +163,7 @@ class WorkerServer:
                 self.preloaded = await preload(
                     self.adapters, self.config.preload_adapters, self.config.preload_timeout_s
                 )
+                self._stopped_while_starting()
         self.engine.output_dispatcher = dispatch_on(loop)
         if self.followers is not None:
 
@@ -160,6 +175,7 @@ class WorkerServer:
         self.engine.start()
         if self.front is not None and self.relay is not None:
             await self.relay.start(self.front.socket_path)
+            self._stopped_while_starting()
 
             def on_front_exit(code: int) -> None:  # on a watcher thread
                 with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
@@ -172,6 +188,7 @@ class WorkerServer:
         # last: a caller that reaches the worker (directly, or through the front) finds it whole
         await self.grpc_server.start()
         self._grpc_started = True
+        self._stopped_while_starting()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.adapters is not None:
@@ -240,6 +257,14 @@ class WorkerServer:
             await self.stopped.wait()
             return
         self._stopping = True
+        if self._start_ended is not None and not self._start_ended.is_set():
+            # a start under way ends at its next step (a wait for the fronts at once) before the
+            # server is touched: grpc.aio crashes the process when a starting server is stopped
+            if self._front_exit is not None and not self._front_exit.done():
+                self._front_exit.set_result(
+                    self.failure or DependencyUnavailable("the worker was stopped while it started")
+                )
+            await self._start_ended.wait()
         if self.front is not None:
             # what the generations in flight still send reaches their clients first: the calls
             # end, the relay hands the front their last frames and closes, the front finishes them
@@ -252,7 +277,10 @@ class WorkerServer:
                 grace = max(0.0, end - time.monotonic())
         if not self._grpc_started:
             # the start failed: gRPC listens on a port from when it is added and releases it only
-            # when a started server stops, so the server starts, and stops at once
+            # when a started server stops, so the server starts, refusing work, and stops at once
+            self.servicer.draining = True
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             await self.grpc_server.start()
             grace = 0.0
         await self.grpc_server.stop(grace)
@@ -340,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except PortUnavailable as exc:
         log.error("%s", exc)
+        return 1
+    except WorkerError as exc:  # a front that did not start, a rank that failed while it started
+        log.error("cannot start: %s", exc)
         return 1
 
 

@@ -363,3 +363,52 @@ def test_a_front_that_never_connects_fails_the_start_in_time(tiny_model_dir, mon
         _start_with(monkeypatch, signal.SIGSTOP, 1, config)
     assert time.monotonic() - started < 20
     assert all(p.poll() is not None for p in spawned[0][0].procs)
+
+
+@pytest.mark.parametrize(
+    ("fronts", "when"), [(0, "engine"), (2, "engine"), (2, "fronts")], ids=["direct", "fronts", "waiting"]
+)
+def test_a_worker_that_fails_while_it_starts_stops_once_started(
+    tiny_model_dir, monkeypatch, fronts: int, when: str
+) -> None:
+    """A failure reported while the worker starts (a tensor-parallel rank's watcher calls `fail`):
+    as its engine starts, or while it waits for its fronts (one stalled). The start ends with that
+    failure at once, the gRPC server is not stopped while it starts (grpc.aio ends the process
+    then), and nothing outlives it: the engine's thread, the fronts, the port."""
+    import threading
+
+    from loraserve.inference_worker import server as worker_server
+
+    monkeypatch.setattr(worker_server, "FRONT_CONNECT_S", 20.0)
+    died = DependencyUnavailable("tensor-parallel rank 1 exited")
+    config = worker_config(tiny_model_dir, stream_process=fronts > 0, stream_processes=max(1, fronts))
+
+    async def go() -> worker_server.WorkerServer:
+        server, _ = worker_server.create_server(config)
+        loop = asyncio.get_running_loop()
+        if when == "engine":
+            start = server.engine.start
+
+            def failing() -> None:
+                start()
+                server.fail(died)
+
+            server.engine.start = failing  # type: ignore[method-assign]
+        else:
+            assert server.front is not None
+            os.kill(server.front.procs[1].pid, signal.SIGSTOP)  # the joining front never connects
+            loop.call_later(0.5, server.fail, died)
+        began = time.monotonic()
+        with pytest.raises(DependencyUnavailable, match="rank 1 exited"):
+            await server.start()
+        await server.stop()
+        assert time.monotonic() - began < 10  # not the fronts' 20 s to connect
+        assert server.stopped.is_set() and server.failure is died
+        return server
+
+    server = asyncio.run(go())
+    assert not [t for t in threading.enumerate() if t.name == "engine-step"]
+    ports = [server.port] + ([server.front.port] if server.front is not None else [])
+    assert all(_free(p) for p in ports)
+    if server.front is not None:
+        assert all(p.poll() is not None for p in server.front.procs)
