@@ -32,7 +32,8 @@ _HELP = {
     "kv_cache_mb": "KV cache budget in MiB (0 = auto: 256 MiB on CPU, 85%% of free memory on CUDA)",
     "num_kv_blocks": "exact number of KV blocks (overrides kv_cache_mb)",
     "max_queue_size": "waiting requests before RESOURCE_EXHAUSTED",
-    "default_max_tokens": "max_tokens when a request leaves it 0",
+    "default_max_tokens": "max_tokens when a request leaves it 0 (unless it asks for what the context "
+    "leaves: SamplingParams.fill_context, the OpenAI gateway's chat without max_tokens)",
     "cuda_graphs": "capture CUDA graphs for decode steps",
     "kernel_warmup": "compile every kernel variant a step can launch before serving (CUDA; cached on "
     "disk by Triton, so a restart is quick)",

@@ -87,8 +87,12 @@ class RequestBuilder:
         if asked or not fill_context:
             max_tokens = asked or min(cfg.default_max_tokens, cfg.max_model_len - n)
         else:
-            context = min(cfg.max_model_len, self.blocks.num_usable_blocks * cfg.block_size)
-            max_tokens = context - n
+            kv = self.blocks.num_usable_blocks * cfg.block_size
+            if n >= kv:
+                raise InvalidRequest(
+                    f"prompt ({n} tokens) leaves no room to generate within the KV cache ({kv} tokens)"
+                )
+            max_tokens = min(cfg.max_model_len, kv) - n
         if n + max_tokens > cfg.max_model_len or max_tokens <= 0:
             raise InvalidRequest(
                 f"prompt ({n} tokens) plus max_tokens ({asked or max_tokens}) "

@@ -261,6 +261,12 @@ def test_fill_context_asks_for_the_room_the_context_leaves(tiny_model_dir: Path,
     assert max_tokens(engine, max_tokens=0) == 7
     small_kv = make_engine(tiny_model_dir, max_model_len=512, num_blocks=5)  # 4 usable blocks of 16
     assert max_tokens(small_kv, max_tokens=0, fill_context=True) == 4 * 16 - len(ids)
+    long = (ids * (64 // len(ids) + 1))[:64]  # a prompt the size of that KV cache
+    with pytest.raises(
+        InvalidRequest,
+        match=r"prompt \(64 tokens\) leaves no room to generate within the KV cache \(64 tokens\)",
+    ):
+        small_kv.make_sequence("g", "", long, SamplingParams(max_tokens=0, fill_context=True), lambda _: None)
 
 
 def test_abort_frees_blocks(tiny_model_dir: Path, tok) -> None:
