@@ -71,10 +71,26 @@ class PeftCheckpoint:
     tensors: dict[str, torch.Tensor]
 
 
-def load_json(data: bytes, what: str) -> object:
-    """Parse untrusted JSON: any malformed or too deeply nested input is InvalidArgument."""
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    obj: dict[str, object] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
+def load_json(data: bytes, what: str, *, unique_keys: bool = False) -> object:
+    """Parse untrusted JSON: any malformed or too deeply nested input is InvalidArgument, and so is
+    a key repeated in one object where `unique_keys` (json.loads would keep the last silently)."""
     try:
-        value = json.loads(data)
+        value = json.loads(data, object_pairs_hook=_unique_keys if unique_keys else None)
+    except _DuplicateKey as exc:
+        raise InvalidArgument(f"{what} repeats the key {str(exc)[:200]!r}") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int past int()'s digit limit
         raise InvalidArgument(f"{what} is not valid JSON: {exc}") from exc
     except RecursionError:  # the C decoder stops at the interpreter's recursion limit
@@ -120,7 +136,9 @@ def parse_header(data: bytes | memoryview, *, max_tensors: int) -> tuple[list[Te
             f"{WEIGHTS_FILE} header claims {header_len} bytes but the file holds {size} bytes "
             "(truncated or corrupt)"
         )
-    header = load_json(bytes(data[8 : 8 + header_len]), f"{WEIGHTS_FILE} header (corrupt file?)")
+    header = load_json(
+        bytes(data[8 : 8 + header_len]), f"{WEIGHTS_FILE} header (corrupt file?)", unique_keys=True
+    )
     if not isinstance(header, dict):
         raise InvalidArgument(f"{WEIGHTS_FILE} header must be a JSON object")
     header.pop("__metadata__", None)
@@ -129,10 +147,24 @@ def parse_header(data: bytes | memoryview, *, max_tensors: int) -> tuple[list[Te
     data_start = 8 + header_len
     data_len = size - data_start
     entries = [_tensor_header(name, info, data_len) for name, info in header.items()]
+    # As the safetensors format requires (and its library checks): the byte ranges, in order,
+    # tile the data section, no gap, no overlap, nothing after the last.
     entries.sort(key=lambda e: (e.begin, e.end))
-    for prev, cur in zip(entries, entries[1:], strict=False):
-        if cur.begin < prev.end:
+    end = 0
+    for prev, cur in zip([None, *entries], entries, strict=False):
+        if cur.begin < end:
+            assert prev is not None
             raise InvalidArgument(f"tensors {prev.name!r} and {cur.name!r} overlap in {WEIGHTS_FILE}")
+        if cur.begin > end:
+            before = f"after tensor {prev.name!r}" if prev is not None else "at the start of the data"
+            raise InvalidArgument(
+                f"{WEIGHTS_FILE} has {cur.begin - end} unused bytes {before}, before tensor {cur.name!r}"
+            )
+        end = cur.end
+    if end != data_len:
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE} has {data_len - end} bytes after its last tensor's data (corrupt file?)"
+        )
     return entries, data_start
 
 

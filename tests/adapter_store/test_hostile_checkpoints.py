@@ -292,3 +292,64 @@ def test_huge_dimension_is_refused_before_its_size_is_computed(
     (d / bad.WEIGHTS).write_bytes(struct.pack("<Q", len(raw)) + raw + data)
     details = refused(stub, "dim-huge", name, "has a dimension over")
     assert len(details) < 2000, len(details)
+
+
+def _weights(header: str, data: bytes) -> bytes:
+    raw = header.encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def test_a_tensor_named_twice_in_the_header_is_refused(stub, adapter_root: Path) -> None:
+    """json.loads keeps the last of repeated keys, so one of two tensors of the same name was
+    dropped silently; the safetensors library refuses such a file, and so does the store."""
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "dup-key")
+    header, data = bad.raw_header(d)
+    name = next(k for k in header if k.endswith("lora_A.weight"))
+    entry = json.dumps(header[name])
+    raw = json.dumps(header)
+    raw = raw[:-1] + f", {json.dumps(name)}: {entry}}}"  # the same name, range and all, again
+    (d / bad.WEIGHTS).write_bytes(_weights(raw, data))
+    refused(stub, "dup-key", "repeats the key", name)
+    with pytest.raises(InvalidArgument, match="repeats the key 'dtype'"):
+        parse_header(
+            _weights(
+                '{"t": {"dtype": "F32", "dtype": "F16", "shape": [1], "data_offsets": [0, 4]}}', bytes(4)
+            ),
+            max_tensors=8,
+        )
+
+
+@pytest.mark.parametrize(
+    "header,size,fragment",
+    [
+        ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', 8, "4 unused bytes at the start"),
+        (
+            '{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
+            ' "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}',
+            12,
+            "4 unused bytes after tensor 'a', before tensor 'b'",
+        ),
+        ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', 6, "2 bytes after its last tensor"),
+        ('{"__metadata__": {}}', 4, "4 bytes after its last tensor"),
+        (
+            '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},'
+            ' "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}',
+            8,
+            "overlap",
+        ),
+    ],
+    ids=["gap-first", "gap-between", "trailing", "trailing-no-tensor", "overlap"],
+)
+def test_tensor_ranges_must_tile_the_data_section(header: str, size: int, fragment: str) -> None:
+    with pytest.raises(InvalidArgument, match=fragment):
+        parse_header(_weights(header, bytes(size)), max_tensors=8)
+
+
+def test_ranges_that_tile_the_data_section_are_accepted() -> None:
+    header = (
+        '{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
+        ' "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},'
+        ' "b": {"dtype": "F16", "shape": [2], "data_offsets": [4, 8]}}'
+    )
+    entries, start = parse_header(_weights(header, bytes(8)), max_tensors=8)
+    assert [e.name for e in entries] == ["a", "e", "b"] and start == 8 + len(header)
