@@ -5,6 +5,7 @@ of the root, keys built from unvalidated parts) and check file sizes before read
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import stat
@@ -99,6 +100,13 @@ class LocalSource(AdapterSource):
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise InvalidArgument(f"{where} is not a regular file")
+        try:
+            # blocking again: a read of a file an HSM has migrated would fail EAGAIN (and a
+            # buffered read return None) instead of waiting for the file's recall
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        except BaseException:
+            os.close(fd)
+            raise
         with os.fdopen(fd, "rb") as f:
             if st.st_size > max_bytes:
                 raise InvalidArgument(f"{where} is {st.st_size} bytes, over the limit of {max_bytes}")
@@ -121,10 +129,20 @@ def _resolve(path: Path, what: str) -> Path:
         raise _os_error(exc, what) from exc
 
 
+# Failures that pass (an I/O error, a stale NFS handle, a timeout, a lease held by another
+# process, which an open with O_NONBLOCK meets as EWOULDBLOCK while the lease is broken): UNAVAILABLE,
+# which clients retry.
+TRANSIENT_ERRNOS = frozenset(
+    {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.ENOLCK}
+)
+
+
 def _os_error(exc: OSError, what: str) -> StoreError:
     """Classify a filesystem failure on a local source: absent -> NOT_FOUND, a name that cannot be
-    a checkpoint (too long, a symlink loop) -> INVALID_ARGUMENT, anything else (permissions, I/O)
-    -> FAILED_PRECONDITION."""
+    a checkpoint (too long, a symlink loop) -> INVALID_ARGUMENT, a transient failure -> UNAVAILABLE,
+    anything else (permissions) -> FAILED_PRECONDITION."""
+    if exc.errno in TRANSIENT_ERRNOS:
+        return Unavailable(f"{what}: cannot read now: {exc.strerror}")
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
         return NotFound(f"{what} not found")
     if exc.errno == errno.ELOOP:

@@ -4,12 +4,16 @@ FIFO is never opened for a blocking read), and the store keeps serving afterward
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import signal
 from pathlib import Path
 
 import grpc
 import pytest
 
+from loraserve.adapter_store.sources import LocalSource, _os_error
 from loraserve.v1 import store_pb2
 from tests.helpers import bad_checkpoints as bad
 
@@ -87,3 +91,53 @@ def test_odd_local_sources_are_refused(setup, code, fragments, stub, adapter_roo
     # and the store still registers a good adapter
     ok = store_pb2.RegisterAdapterRequest(adapter_id="good", source="peft-qv-r8")
     assert stub.RegisterAdapter(ok, timeout=30).adapter_id == "good"
+
+
+def test_a_source_file_is_read_through_a_blocking_descriptor(adapter_root: Path, monkeypatch) -> None:
+    """Opened O_NONBLOCK (so that a FIFO cannot hold the thread), a regular file is read blocking:
+    a non-blocking read of a file an HSM has migrated fails EAGAIN instead of waiting for it."""
+    flags: list[int] = []
+    fdopen = os.fdopen
+
+    def watched(fd: int, *args, **kwargs):
+        flags.append(fcntl.fcntl(fd, fcntl.F_GETFL))
+        return fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", watched)
+    data = LocalSource(adapter_root, "peft-qv-r8").read(bad.CONFIG, 1 << 20)
+    monkeypatch.undo()
+    assert data.startswith(b"{") and len(flags) == 1
+    assert not flags[0] & os.O_NONBLOCK
+
+
+def test_a_file_under_another_process_lease_is_unavailable(stub, adapter_root: Path) -> None:
+    """A lease holder (a file server, a backup agent) makes an open fail EWOULDBLOCK until it lets
+    go: UNAVAILABLE, which clients retry, not FAILED_PRECONDITION; afterwards it registers."""
+    d = bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "leased")
+    previous = signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease break's notice
+    fd = os.open(d / bad.CONFIG, os.O_RDWR)
+    try:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError as exc:
+            pytest.skip(f"no file leases here: {exc}")
+        request = store_pb2.RegisterAdapterRequest(adapter_id="leased", source="leased")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterAdapter(request, timeout=10)
+        assert err.value.code() == C.UNAVAILABLE, err.value.details()
+        assert bad.CONFIG in err.value.details()
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    finally:
+        os.close(fd)
+        signal.signal(signal.SIGIO, previous)
+    assert stub.RegisterAdapter(request, timeout=30).adapter_id == "leased"
+
+
+@pytest.mark.parametrize(
+    "code,status",
+    [(errno.EIO, "UNAVAILABLE"), (errno.ESTALE, "UNAVAILABLE"), (errno.ETIMEDOUT, "UNAVAILABLE")]
+    + [(errno.EAGAIN, "UNAVAILABLE"), (errno.EINTR, "UNAVAILABLE"), (errno.ENOLCK, "UNAVAILABLE")]
+    + [(errno.EACCES, "FAILED_PRECONDITION"), (errno.EPERM, "FAILED_PRECONDITION")],
+)
+def test_filesystem_failures_that_pass_are_unavailable(code: int, status: str) -> None:
+    assert _os_error(OSError(code, os.strerror(code)), "src/f").code == status
