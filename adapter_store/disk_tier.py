@@ -220,11 +220,10 @@ class DiskTier:
         after = ""
         try:
             while True:
-                records, _ = registry.list(after, REGISTRY_PAGE)
+                records, after, _ = registry.list(after, REGISTRY_PAGE)
                 digests.update((r.adapter_id, r.digest) for r in records)
-                if len(records) < REGISTRY_PAGE:
+                if not after:  # not a short page: ids deleted while listed shorten a page too
                     return digests
-                after = records[-1].adapter_id
         except Exception as exc:  # Unavailable, or any failure of the registry's backend
             log.warning("disk tier: registry unreadable at start-up (%s); orphan files are kept", exc)
             return None

@@ -54,8 +54,11 @@ class Registry(Protocol):
     def delete(self, adapter_id: str) -> AdapterRecord | None:
         """Remove and return the record; None when unknown."""
 
-    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], int]:
-        """Up to `limit` records with id > after, in id order, and the total count."""
+    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], str, int]:
+        """(records, cursor, total): the records among the next `limit` ids after `after`, in id
+        order; the last of those ids as the cursor to list on from, "" when they were the last; and
+        the total count. Fewer records than ids come back where some were deleted meanwhile, so a
+        caller pages on until the cursor is "", not until a short page."""
 
     def close(self) -> None: ...
 
@@ -111,13 +114,15 @@ class SqliteRegistry:
                 raise
             return old
 
-    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], int]:
+    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], str, int]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT record FROM adapters WHERE adapter_id > ? ORDER BY adapter_id LIMIT ?", (after, limit)
+                "SELECT adapter_id, record FROM adapters WHERE adapter_id > ? ORDER BY adapter_id LIMIT ?",
+                (after, limit),
             ).fetchall()
             total = self._db.execute("SELECT COUNT(*) FROM adapters").fetchone()[0]
-        return [AdapterRecord.from_json(r[0]) for r in rows], int(total)
+        cursor = rows[-1][0] if rows and len(rows) == limit else ""
+        return [AdapterRecord.from_json(r[1]) for r in rows], cursor, int(total)
 
     def close(self) -> None:
         with self._lock:

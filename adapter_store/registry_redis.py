@@ -107,16 +107,17 @@ class RedisRegistry:
         old = self._call(self._delete, keys=keys, args=[adapter_id])
         return AdapterRecord.from_json(old) if old else None
 
-    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], int]:
+    def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], str, int]:
         start = f"({after}" if after else "-"
-        ids = self._call(self._redis.zrangebylex, self.index_key, start, "+", start=0, num=limit)
+        raw_ids = self._call(self._redis.zrangebylex, self.index_key, start, "+", start=0, num=limit)
         total = self._call(self._redis.zcard, self.index_key)
-        if not ids:
-            return [], int(total)
-        raws = self._call(
-            self._redis.mget, [self.record_key(i.decode() if isinstance(i, bytes) else i) for i in ids]
-        )
-        return [AdapterRecord.from_json(r) for r in raws if r], int(total)
+        if not raw_ids:
+            return [], "", int(total)
+        ids = [i.decode() if isinstance(i, bytes) else i for i in raw_ids]
+        # an id deleted between the two calls has no record left: skipped, the cursor passes it
+        raws = self._call(self._redis.mget, [self.record_key(i) for i in ids])
+        cursor = ids[-1] if len(ids) == limit else ""
+        return [AdapterRecord.from_json(r) for r in raws if r], cursor, int(total)
 
     def close(self) -> None:
         self._redis.close()

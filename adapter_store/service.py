@@ -197,11 +197,20 @@ class AdapterService:
         if page_size < 0:
             raise InvalidArgument(f"page_size must be >= 0, got {page_size}")
         limit = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        after = decode_page_token(page_token)
-        records, total = await asyncio.to_thread(self.registry.list, after, limit + 1)
+        cursor = decode_page_token(page_token)
+        # one record past the page says whether another follows; ids deleted while listed leave a
+        # registry page short, so it is asked again from its cursor until it has them or ends
+        records: list[AdapterRecord] = []
+        while True:
+            page, cursor, total = await asyncio.to_thread(
+                self.registry.list, cursor, limit + 1 - len(records)
+            )
+            records += page
+            if len(records) > limit or not cursor:
+                break
         more = len(records) > limit
         records = records[:limit]
-        next_token = encode_page_token(records[-1].adapter_id) if more and records else ""
+        next_token = encode_page_token(records[-1].adapter_id) if more else ""
         return records, next_token, total
 
     async def delete(self, adapter_id: str) -> AdapterRecord:

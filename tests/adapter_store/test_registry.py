@@ -55,12 +55,13 @@ def test_registry_contract(registry) -> None:
     assert registry.get("b").digest == "e" * 64 and registry.get("b").rank_pattern == {"v_proj": 4}
     for i in "acdef":
         registry.put(_record(i), overwrite=False)
-    page, total = registry.list("", 4)
-    assert [r.adapter_id for r in page] == ["a", "b", "c", "d"] and total == 6
-    page, total = registry.list("d", 4)
-    assert [r.adapter_id for r in page] == ["e", "f"]
+    page, cursor, total = registry.list("", 4)
+    assert [r.adapter_id for r in page] == ["a", "b", "c", "d"] and cursor == "d" and total == 6
+    page, cursor, total = registry.list("d", 4)
+    assert [r.adapter_id for r in page] == ["e", "f"] and cursor == ""
+    assert registry.list("d", 2)[1] == "f" and registry.list("f", 2)[:2] == ([], "")
     assert registry.delete("c").adapter_id == "c" and registry.delete("c") is None
-    assert registry.get("c") is None and registry.list("", 10)[1] == 5
+    assert registry.get("c") is None and registry.list("", 10)[2] == 5
 
 
 @pytest.mark.redis
@@ -125,3 +126,63 @@ def test_redis_unreachable_is_unavailable() -> None:
     with pytest.raises(Unavailable, match="registry \\(Redis\\) unreachable"):
         reg.get("x")
     reg.close()
+
+
+def _delete_while_listed(monkeypatch, registry, victims: list[str]) -> None:
+    """Another store deletes `victims` between the Redis registry's ZRANGEBYLEX and its MGET."""
+    client = registry._redis
+    mget = client.mget
+
+    def racing_mget(keys, *args):
+        for victim in victims:
+            registry.delete(victim)
+        victims.clear()
+        return mget(keys, *args)
+
+    monkeypatch.setattr(client, "mget", racing_mget)
+
+
+def _ids(records: list[AdapterRecord]) -> list[str]:
+    return [r.adapter_id for r in records]
+
+
+@pytest.mark.redis
+def test_ids_deleted_while_listed_do_not_end_the_listing(
+    redis_url: str, redis_prefix: str, monkeypatch
+) -> None:
+    from loraserve.adapter_store.disk_tier import DiskTier
+    from loraserve.adapter_store.metrics import StoreMetrics
+    from loraserve.adapter_store.registry_redis import RedisRegistry
+
+    reg = RedisRegistry(redis_url, redis_prefix)
+    for i in "abcdef":
+        reg.put(_record(i, i * 64), overwrite=False)
+    _delete_while_listed(monkeypatch, reg, ["a"])
+    page, cursor, _ = reg.list("", 2)
+    assert _ids(page) == ["b"] and cursor == "b"  # short, and the cursor goes on past "a"
+    assert _ids(reg.list(cursor, 10)[0]) == ["c", "d", "e", "f"]
+
+    # the disk tier's start-up sweep keeps the files of every adapter after a short page
+    monkeypatch.setattr("loraserve.adapter_store.disk_tier.REGISTRY_PAGE", 2)
+    _delete_while_listed(monkeypatch, reg, ["b"])
+    tier = DiskTier(Path("/nonexistent"), 1 << 20, StoreMetrics())
+    assert tier._registered_digests(reg) == {i: i * 64 for i in "cdef"}
+    reg.close()
+
+
+@pytest.mark.redis
+def test_a_listing_page_is_full_though_ids_were_deleted_while_listed(
+    start_store, redis_url: str, redis_prefix: str, monkeypatch
+) -> None:
+    store = start_store(redis_url=redis_url, redis_prefix=redis_prefix)
+    registry = store.service.registry
+    for i in "abcdef":
+        registry.put(_record(i), overwrite=False)
+    _delete_while_listed(monkeypatch, registry, ["a", "b"])
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        first = stub.ListAdapters(store_pb2.ListAdaptersRequest(page_size=2))
+        assert [a.adapter_id for a in first.adapters] == ["c", "d"] and first.next_page_token
+        req = store_pb2.ListAdaptersRequest(page_size=2, page_token=first.next_page_token)
+        second = stub.ListAdapters(req)
+        assert [a.adapter_id for a in second.adapters] == ["e", "f"] and not second.next_page_token
