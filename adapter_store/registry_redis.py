@@ -3,6 +3,7 @@
     {prefix}adapter:{id}   string, the record as JSON
     {prefix}adapters       sorted set of ids (all score 0, so ZRANGE BYLEX pages in id order)
     {prefix}events         stream of invalidations (an adapter replaced or deleted) for workers
+    {prefix}call:{token}   the answer of one write, kept a minute for redis-py's re-sends of it
 
 Each multi-key update is one Lua script, so the record, the index and the event change together.
 
@@ -17,15 +18,26 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
 from loraserve.adapter_store.errors import AlreadyExists, Unavailable
 from loraserve.adapter_store.registry import AdapterRecord
 
-# KEYS[1] - record key, KEYS[2] - id index, KEYS[3] - event stream
-# ARGV[1] - adapter id, ARGV[2] - record JSON, ARGV[3] - "1" to overwrite, ARGV[4] - new digest
-# returns {1, previous JSON or ""} when stored, {0, existing JSON} when taken and not overwriting
+# redis-py sends a script again after a timeout, and a Redis that stalled past the socket timeout
+# (an fsync, a fork) may have run it already: each write records its answer under a key of the
+# call's own token for CALL_TTL_S seconds, and a script sent again finds it there and answers the
+# same, instead of finding its own write (ALREADY_EXISTS for a registration, NOT_FOUND for a delete).
+CALL_TTL_S = 60
+
+# KEYS[1] - record key, KEYS[2] - id index, KEYS[3] - event stream, KEYS[4] - this call's answer
+# ARGV[1] - adapter id, ARGV[2] - record JSON, ARGV[3] - "1" to overwrite, ARGV[4] - new digest,
+# ARGV[5] - seconds to keep this call's answer
+# returns {1, previous JSON or ""} when stored (or stored by this call already), {0, existing JSON}
+# when taken and not overwriting
 PUT_SCRIPT = """
+local done = redis.call('GET', KEYS[4])
+if done then return {1, done} end
 local old = redis.call('GET', KEYS[1])
 if old and ARGV[3] ~= '1' then return {0, old} end
 redis.call('SET', KEYS[1], ARGV[2])
@@ -33,18 +45,23 @@ redis.call('ZADD', KEYS[2], 0, ARGV[1])
 if old then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'event', 'replaced', 'adapter_id', ARGV[1], 'digest', ARGV[4])
 end
+redis.call('SET', KEYS[4], old or '', 'EX', ARGV[5])
 return {1, old or ''}
 """
 
-# KEYS[1] - record key, KEYS[2] - id index, KEYS[3] - event stream
-# ARGV[1] - adapter id
-# returns the deleted record JSON, or false when there was none
+# KEYS[1] - record key, KEYS[2] - id index, KEYS[3] - event stream, KEYS[4] - this call's answer
+# ARGV[1] - adapter id, ARGV[2] - seconds to keep this call's answer
+# returns the deleted record JSON (also when this call deleted it already), or false when there
+# was none
 DELETE_SCRIPT = """
+local done = redis.call('GET', KEYS[4])
+if done then return done end
 local old = redis.call('GET', KEYS[1])
 if not old then return false end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'event', 'deleted', 'adapter_id', ARGV[1])
+redis.call('SET', KEYS[4], old, 'EX', ARGV[2])
 return old
 """
 
@@ -77,6 +94,10 @@ class RedisRegistry:
     def record_key(self, adapter_id: str) -> str:
         return f"{self.prefix}adapter:{adapter_id}"
 
+    def call_key(self) -> str:
+        """A fresh key for one write's answer (the same in every send of that write)."""
+        return f"{self.prefix}call:{uuid.uuid4().hex}"
+
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if time.monotonic() < self._down_until:
             raise Unavailable("registry (Redis) unreachable: it failed a call less than a moment ago")
@@ -88,11 +109,11 @@ class RedisRegistry:
             raise Unavailable(f"registry (Redis) unreachable: {exc}") from exc
 
     def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
-        keys = [self.record_key(record.adapter_id), self.index_key, self.events_key]
+        keys = [self.record_key(record.adapter_id), self.index_key, self.events_key, self.call_key()]
         ok, old = self._call(
             self._put,
             keys=keys,
-            args=[record.adapter_id, record.to_json(), "1" if overwrite else "0", record.digest],
+            args=[record.adapter_id, record.to_json(), "1" if overwrite else "0", record.digest, CALL_TTL_S],
         )
         if not int(ok):
             raise AlreadyExists(f"adapter {record.adapter_id!r} already exists (set overwrite to replace it)")
@@ -103,8 +124,8 @@ class RedisRegistry:
         return AdapterRecord.from_json(raw) if raw else None
 
     def delete(self, adapter_id: str) -> AdapterRecord | None:
-        keys = [self.record_key(adapter_id), self.index_key, self.events_key]
-        old = self._call(self._delete, keys=keys, args=[adapter_id])
+        keys = [self.record_key(adapter_id), self.index_key, self.events_key, self.call_key()]
+        old = self._call(self._delete, keys=keys, args=[adapter_id, CALL_TTL_S])
         return AdapterRecord.from_json(old) if old else None
 
     def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], str, int]:

@@ -216,13 +216,18 @@ class AdapterService:
     async def delete(self, adapter_id: str) -> AdapterRecord:
         self._check_serving()
         check_adapter_id(adapter_id)
-        record = await asyncio.to_thread(self.registry.delete, adapter_id)
+        try:
+            record = await asyncio.to_thread(self.registry.delete, adapter_id)
+        finally:
+            # dropped whatever the registry answers (an unreachable one may have deleted the record
+            # and lost the reply): a copy left here would be served under its last known record
+            # while the registry is unreachable; they are caches, a fetch rebuilds what it needs
+            self.cache.drop(adapter_id)
+            self._cache_gauges()
+            if self.tier is not None:
+                self.tier.discard(adapter_id)
         if record is None:
             raise NotFound(f"adapter {adapter_id!r} is not registered")
-        self.cache.drop(adapter_id)
-        self._cache_gauges()
-        if self.tier is not None:
-            self.tier.discard(adapter_id)
         log.info("deleted adapter %s", adapter_id)
         return record
 
