@@ -127,6 +127,10 @@ def test_a_frozen_redis_does_not_hold_the_stores_fetches(system) -> None:
     with StoreClient(store.address) as s:
         for name in names:
             s.register(name, name)
+        # both scripts cached in Redis: the frozen delete below must fail on the hung Redis, not
+        # pass by luck when its first EVALSHA answers NOSCRIPT
+        s.register("warm-delete", names[0])
+        s.delete("warm-delete")
     with StoreClient(store.address, timeout=60) as s:
         for name in names:
             s.fetch(name)  # in the store's cache; none on the worker

@@ -186,3 +186,84 @@ def test_a_listing_page_is_full_though_ids_were_deleted_while_listed(
         req = store_pb2.ListAdaptersRequest(page_size=2, page_token=first.next_page_token)
         second = stub.ListAdapters(req)
         assert [a.adapter_id for a in second.adapters] == ["e", "f"] and not second.next_page_token
+
+
+def _down() -> None:
+    import redis
+
+    raise redis.ConnectionError("Redis down (simulated)")
+
+
+@pytest.mark.redis
+def test_the_registry_breaker_probes_once_and_closes_on_success(redis_url: str, redis_prefix: str) -> None:
+    """After a failure, calls fail fast for a window shorter than the worker's fetch retries; then
+    one call probes Redis while the others still fail fast; its success closes the breaker."""
+    import threading
+    import time
+
+    from loraserve.adapter_store.errors import Unavailable
+    from loraserve.adapter_store.registry_redis import RedisRegistry
+
+    reg = RedisRegistry(redis_url, redis_prefix)
+    reg.put(_record("x"), overwrite=False)
+    with pytest.raises(Unavailable):
+        reg._call(_down)
+    with pytest.raises(Unavailable, match="less than a moment ago"):
+        reg.get("x")
+    time.sleep(0.15)  # the worker's fetch retries wait 0.05 then 0.1 s
+    release, entered = threading.Event(), threading.Event()
+
+    def hung_probe() -> str:
+        entered.set()
+        release.wait(10)
+        return "answered"
+
+    probe = threading.Thread(target=reg._call, args=(hung_probe,))
+    probe.start()
+    try:
+        assert entered.wait(5)
+        for _ in range(3):  # no herd on a Redis that may hang: only the probe waits on it
+            with pytest.raises(Unavailable, match="less than a moment ago"):
+                reg.get("x")
+    finally:
+        release.set()
+        probe.join(10)
+    assert reg.get("x").adapter_id == "x"
+    reg.close()
+
+
+@pytest.mark.redis
+def test_a_failure_older_than_the_last_success_leaves_the_breaker_closed(
+    redis_url: str, redis_prefix: str
+) -> None:
+    import threading
+
+    import redis
+
+    from loraserve.adapter_store.errors import Unavailable
+    from loraserve.adapter_store.registry_redis import RedisRegistry
+
+    reg = RedisRegistry(redis_url, redis_prefix)
+    reg.put(_record("x"), overwrite=False)
+    release, entered, failed = threading.Event(), threading.Event(), []
+
+    def slow_failure() -> None:
+        entered.set()
+        release.wait(10)
+        raise redis.TimeoutError("timed out (simulated)")
+
+    def old_call() -> None:
+        try:
+            reg._call(slow_failure)
+        except Unavailable:
+            failed.append(True)
+
+    t = threading.Thread(target=old_call)
+    t.start()
+    assert entered.wait(5)
+    assert reg.get("x") is not None  # a success after the old call started
+    release.set()
+    t.join(10)
+    assert failed == [True]
+    assert reg.get("x") is not None  # the old failure did not open the breaker again
+    reg.close()
