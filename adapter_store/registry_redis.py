@@ -7,20 +7,13 @@
 
 Each multi-key update is one Lua script, so the record, the index and the event change together.
 
-A Redis that does not answer (hung, or a network that drops packets) costs one call at most about
-two socket timeouts. After a failure the registry is a breaker: open, its calls raise Unavailable
-at once for a window (0.1 s, doubled by each failed probe up to `backoff_s`); after the window one
-call probes Redis while the others keep failing fast; the first success closes it. A failure of a
-call that started before the last success does not open it again. So a fetch of a cached adapter
-streams under its last known record (service.py) in milliseconds while Redis hangs, at most one
-thread of the store's executor waits on it, and after a brief hiccup the registry answers again
-within the worker's fetch retries (a 1 s window outlasted them).
+A Redis that does not answer (hung, or a network that drops packets) costs a call two socket
+timeouts of 1 s (and a reconnection's): a fetch of a cached adapter then streams under its last
+known record (service.py), and an admin call answers UNAVAILABLE, within seconds, not tens.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 from typing import Any
 
@@ -32,8 +25,6 @@ from loraserve.adapter_store.registry import AdapterRecord
 # call's own token for CALL_TTL_S seconds, and a script sent again finds it there and answers the
 # same, instead of finding its own write (ALREADY_EXISTS for a registration, NOT_FOUND for a delete).
 CALL_TTL_S = 60
-# the breaker's first window after a failure: shorter than the worker's fetch retries
-FIRST_WINDOW_S = 0.1
 
 # KEYS[1] - record key, KEYS[2] - id index, KEYS[3] - event stream, KEYS[4] - this call's answer
 # ARGV[1] - adapter id, ARGV[2] - record JSON, ARGV[3] - "1" to overwrite, ARGV[4] - new digest,
@@ -72,14 +63,16 @@ return old
 
 
 class RedisRegistry:
-    def __init__(
-        self, url: str, prefix: str = "loraserve:", client: Any = None, backoff_s: float = 1.0
-    ) -> None:
+    def __init__(self, url: str, prefix: str = "loraserve:", client: Any = None) -> None:
         import redis
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
         self.prefix = prefix
+        # a call waits for Redis a second, and once more after a failure or a timeout (a pooled
+        # connection Redis closed when it restarted; a reply lost in a stall: the scripts answer
+        # a second send as they did the first); a hung Redis held every fetch ~20 s at 5 s and
+        # three retries
         self._redis = client or redis.Redis.from_url(
             url,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1),
@@ -88,14 +81,6 @@ class RedisRegistry:
             socket_timeout=1,
         )
         self._errors = (redis.ConnectionError, redis.TimeoutError)
-        self._backoff_s = backoff_s
-        # the breaker: open while _window_s > 0, and then Redis is not tried before _down_until,
-        # after it by one probe at a time; _last_ok: monotonic time the last success ended
-        self._window_s = 0.0
-        self._down_until = 0.0
-        self._probing = False
-        self._last_ok = 0.0
-        self._down_lock = threading.Lock()
         self._put = self._redis.register_script(PUT_SCRIPT)
         self._delete = self._redis.register_script(DELETE_SCRIPT)
         self.index_key = f"{prefix}adapters"
@@ -109,30 +94,10 @@ class RedisRegistry:
         return f"{self.prefix}call:{uuid.uuid4().hex}"
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        started = time.monotonic()
-        probe = False
-        with self._down_lock:
-            if self._window_s:
-                if started < self._down_until or self._probing:
-                    raise Unavailable("registry (Redis) unreachable: it failed a call less than a moment ago")
-                self._probing = probe = True
         try:
-            result = fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except self._errors as exc:
-            with self._down_lock:
-                if probe or started > self._last_ok:
-                    self._window_s = min(max(FIRST_WINDOW_S, 2 * self._window_s), self._backoff_s)
-                    self._down_until = time.monotonic() + self._window_s
-                self._probing = self._probing and not probe
             raise Unavailable(f"registry (Redis) unreachable: {exc}") from exc
-        except BaseException:
-            if probe:  # Redis answered (an error of the call itself): the next call probes again
-                with self._down_lock:
-                    self._probing = False
-            raise
-        with self._down_lock:
-            self._window_s, self._probing, self._last_ok = 0.0, False, time.monotonic()
-        return result
 
     def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
         keys = [self.record_key(record.adapter_id), self.index_key, self.events_key, self.call_key()]

@@ -219,13 +219,13 @@ class AdapterService:
         try:
             record = await asyncio.to_thread(self.registry.delete, adapter_id)
         finally:
-            # dropped whatever the registry answers (an unreachable one may have deleted the record
-            # and lost the reply): a copy left here would be served under its last known record
-            # while the registry is unreachable; they are caches, a fetch rebuilds what it needs
+            # the CPU cache's copy goes whatever the registry answers: an unreachable one may have
+            # deleted the record and lost the reply, and that copy would be served under its last
+            # known record while the registry stays unreachable (the disk tier is not read then)
             self.cache.drop(adapter_id)
             self._cache_gauges()
-            if self.tier is not None:
-                self.tier.discard(adapter_id)
+        if self.tier is not None:  # the registry answered: deleted, or not there
+            self.tier.discard(adapter_id)
         if record is None:
             raise NotFound(f"adapter {adapter_id!r} is not registered")
         log.info("deleted adapter %s", adapter_id)

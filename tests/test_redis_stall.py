@@ -132,11 +132,13 @@ def test_a_write_whose_reply_is_lost_answers_as_it_ran(
     direct.close()
 
 
-def test_a_delete_that_cannot_reach_redis_drops_the_stores_copies(
+def test_a_delete_that_cannot_reach_redis_drops_the_cpu_copy(
     start_store, proxy: ReplyDroppingProxy, redis_url: str, redis_prefix: str
 ) -> None:
-    """The registry may have deleted the record and lost the reply: the CPU cache's and the disk
-    tier's copies go anyway, so the payload is not served under its last known record."""
+    """The registry may have deleted the record and lost the reply: the CPU cache's copy goes
+    anyway, so the payload is not served under its last known record while the registry is
+    unreachable (the disk tier is not read then, and its copy, of an adapter perhaps still
+    registered, stays)."""
     import redis
 
     db = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs.get("db", 0)
@@ -153,10 +155,8 @@ def test_a_delete_that_cannot_reach_redis_drops_the_stores_copies(
             stub.DeleteAdapter(store_pb2.DeleteAdapterRequest(adapter_id="x"), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "x" not in store.service.cache
-        deadline = time.monotonic() + 5  # the tier removes files on its writer thread
-        while any(p.name.startswith("x@") for p in tier.directory.iterdir()):
-            assert time.monotonic() < deadline, "the disk tier's copy stayed"
-            time.sleep(0.02)
+        time.sleep(0.2)  # (the tier would remove a file on its writer thread)
+        assert any(p.name.startswith("x@") for p in tier.directory.iterdir())
         with pytest.raises(grpc.RpcError) as err:
             fetch_adapter(stub, "x")
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
