@@ -100,46 +100,17 @@ def test_a_change_the_store_check_finds_during_an_outage_reaches_redis_after(
     """A store with its own registry (SQLite) and a worker on Redis: the worker learns of a
     re-registration by its store check and announces it through the Redis stream. Found while Redis
     is down, the announcement waits for Redis instead of being dropped, so the stale copy goes."""
-    from loraserve.adapter_store.config import StoreConfig
-    from loraserve.adapter_store.demo import write_demo_adapters
-    from loraserve.inference_worker.config import WorkerConfig
-    from tests.helpers.ports import free_port
-
     replaced, other, _ = (s.name for s in DEMO_ADAPTERS)
-    server = PrivateRedis(tmp_path)
-    server.start()
-    write_demo_adapters(tmp_path / "adapters", tiny_model_dir)
-    store = BackgroundStore(
-        StoreConfig(
-            base_model=str(tiny_model_dir),
-            port=0,
-            data_dir=str(tmp_path / "store"),
-            adapter_root=str(tmp_path / "adapters"),
-            serving_dtype="float32",
-            log_level="WARNING",
-        )
+    system = redis_system(
+        tiny_model_dir,
+        tmp_path,
+        prefix="loraserve-check:",
+        worker_id="w-check",
+        adapter_poll_interval_s=0.1,
+        worker_log_level="ERROR",
+        store_on_redis=False,
     )
-    port = free_port()
-    worker = BackgroundWorker(
-        WorkerConfig(
-            model=str(tiny_model_dir),
-            port=port,
-            device="cpu",
-            dtype="float32",
-            store_address=store.address,
-            redis_url=server.url,
-            redis_prefix="loraserve-check:",
-            worker_id="w-check",
-            max_loras=2,
-            max_cpu_loras=4,
-            num_kv_blocks=128,
-            max_num_seqs=8,
-            advertise_address=f"127.0.0.1:{port}",
-            adapter_poll_interval_s=0.1,
-            log_level="ERROR",
-        )
-    )
-    try:
+    with system as (server, store, worker):
         with StoreClient(store.address) as s:
             old = s.register(replaced, replaced)
         with WorkerClient(worker.address, timeout=60) as w:
@@ -154,7 +125,3 @@ def test_a_change_the_store_check_finds_during_an_outage_reaches_redis_after(
                 lambda: w.generate(PROMPT, adapter_id=replaced, max_tokens=2).adapter_digest == new.digest,
                 what="the change announced once Redis is back",
             )
-    finally:
-        worker.stop()
-        store.stop()
-        server.stop()

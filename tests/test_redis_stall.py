@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from loraserve.adapter_store.registry import AdapterRecord
 from loraserve.adapter_store.registry_redis import RedisRegistry
 from loraserve.clients.adapter_fetch import fetch_adapter
 from loraserve.v1 import store_pb2, store_pb2_grpc
+from tests.adapter_store.test_registry import _record
 from tests.helpers.store_calls import register
 
 pytestmark = pytest.mark.redis
@@ -87,23 +87,6 @@ def proxy(redis_url: str) -> Iterator[ReplyDroppingProxy]:
     p = ReplyDroppingProxy((kwargs.get("host", "127.0.0.1"), kwargs.get("port", 6379)))
     yield p
     p.cut()
-
-
-def _record(adapter_id: str, digest: str) -> AdapterRecord:
-    return AdapterRecord(
-        adapter_id=adapter_id,
-        source=adapter_id,
-        digest=digest,
-        rank=8,
-        lora_alpha=16.0,
-        use_rslora=False,
-        target_modules=["q_proj"],
-        dtype="bfloat16",
-        size_bytes=10,
-        base_model="",
-        layout_version=1,
-        num_tensors=2,
-    )
 
 
 def test_a_write_whose_reply_is_lost_answers_as_it_ran(

@@ -25,9 +25,11 @@ def redis_system(
     worker_id: str,
     adapter_poll_interval_s: float,
     worker_log_level: str = "WARNING",
+    store_on_redis: bool = True,
 ) -> Iterator[tuple[PrivateRedis, BackgroundStore, BackgroundWorker]]:
     """A private Redis, the demo adapters on local disk, a store and a worker (2 GPU slots, 4 CPU
-    slots) on it under `prefix`; all stopped on exit."""
+    slots) on it under `prefix`; all stopped on exit. Without `store_on_redis` the store keeps its
+    registry to itself (SQLite) and only the worker uses Redis."""
     from loraserve.adapter_store.config import StoreConfig
     from loraserve.adapter_store.demo import write_demo_adapters
     from loraserve.adapter_store.server import BackgroundStore
@@ -44,7 +46,7 @@ def redis_system(
             data_dir=str(directory / "store"),
             adapter_root=str(directory / "adapters"),
             serving_dtype="float32",
-            redis_url=server.url,
+            redis_url=server.url if store_on_redis else None,
             redis_prefix=prefix,
             log_level="WARNING",
         )
