@@ -65,10 +65,6 @@ class Backend:
             )
         return turns
 
-    def client(self, address: str) -> AsyncWorkerClient:
-        """The next of the worker's clients in turn."""
-        return self._turns(address).next()
-
     @contextmanager
     def _calling(self, address: str) -> Iterator[AsyncWorkerClient]:
         """The client of one call (the worker's next turn), counted among the calls running on the

@@ -68,7 +68,7 @@ def test_each_worker_takes_its_connections_in_turn_whatever_the_router_s_order()
 
     async def go() -> None:
         for a in ("a:1", "b:1"):  # the backend's own clients, each answering as a fake
-            real = backend.client(a)  # (opened on the loop; its turns start over below)
+            real = backend._turns(a).next()  # (opened on the loop; its turns start over below)
             turns = backend._clients[a]
             await turns.close()
             assert real in turns.clients and len(turns.clients) == 2
@@ -147,9 +147,9 @@ def test_a_departed_worker_s_idle_clients_close_at_once_the_rest_at_close(monkey
 
     async def go() -> None:
         await backend._discover()
-        a, b = backend.client(STAYS), backend.client("b:1")
+        a, b = backend._turns(STAYS).next(), backend._turns("b:1").next()
         await depart(backend)  # b left the fleet
-        assert list(backend._clients) == [STAYS] and backend.client(STAYS) is not a  # (a's next turn)
+        assert list(backend._clients) == [STAYS] and backend._turns(STAYS).next() is not a  # (a's next turn)
         await asyncio.wait_for(asyncio.gather(*backend._retiring), 5)  # no call runs on them
         assert b.channel.get_state() == SHUT and not backend._retiring
         await backend.close()
