@@ -34,6 +34,10 @@ _HELP = {
     "cache_dir": "disk tier of optimized adapters, read on a CPU cache miss instead of rebuilding from the "
     "source; kept across restarts (default DATA_DIR/payload-cache; an empty value turns the tier off)",
     "cache_dir_max_bytes": "disk tier bound: bytes of its files (least recently used go first)",
+    "handover_dir": "directory shared with workers on this host (a tmpfs such as /dev/shm/...): a worker that "
+    "shares it (its --store-handover-dir) gets payloads as files written there instead of streams; the store "
+    "owns it and empties it at start-up (unset: every fetch streams)",
+    "handover_max_bytes": "hand-over directory bound: bytes of its files (least recently handed over go first)",
     "max_pending_registrations": "registrations in flight before RESOURCE_EXHAUSTED",
     "chunk_bytes": "FetchAdapter chunk size (at most 1 MiB)",
     "redis_url": "Redis URL for the registry (else SQLite in DATA_DIR)",
@@ -65,6 +69,8 @@ class StoreConfig:
     cache_max_bytes: int = 4 << 30
     cache_dir: str | None = None  # None: DATA_DIR/payload-cache; "": no disk tier
     cache_dir_max_bytes: int = 16 << 30
+    handover_dir: str | None = None
+    handover_max_bytes: int = 4 << 30
     max_pending_registrations: int = 16
     chunk_bytes: int = CHUNK_SIZE
     redis_url: str | None = None
@@ -101,6 +107,7 @@ class StoreConfig:
             "cache_max_adapters",
             "cache_max_bytes",
             "cache_dir_max_bytes",
+            "handover_max_bytes",
             "max_pending_registrations",
         ):
             if getattr(self, name) < 1:
@@ -116,6 +123,14 @@ class StoreConfig:
             problems.append(
                 f"cache_dir {tier} must be a directory of its own, not the data dir or adapter root"
             )
+        if self.handover_dir:
+            shared = Path(self.handover_dir).resolve()
+            taken = [Path(self.data_dir), self.root] + ([tier] if tier is not None else [])
+            if any(shared == p.resolve() or p.resolve().is_relative_to(shared) for p in taken):
+                problems.append(
+                    f"handover_dir {self.handover_dir} must be a directory of its own (the store empties it "
+                    "at start-up), not the data dir, adapter root or disk tier, nor above them"
+                )
         if problems:
             raise ValueError("invalid store configuration: " + "; ".join(problems))
 

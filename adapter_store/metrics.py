@@ -76,6 +76,22 @@ class StoreMetrics:
             "loraserve_store_disk_payloads", "payload files in the disk tier", registry=r
         )
         self.disk_bytes = Gauge("loraserve_store_disk_bytes", "bytes of the disk tier's files", registry=r)
+        # payloads handed over as files to workers on the store's host (handover.py)
+        self.handovers = Counter(
+            "loraserve_store_handovers",
+            "fetches answered with a hand-over file, by whether it was written for it, already "
+            "there, or could not be written (the fetch streamed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.handover_written_bytes = Counter(
+            "loraserve_store_handover_written_bytes", "payload bytes written as hand-over files", registry=r
+        )
+        self.handover_evictions = Counter(
+            "loraserve_store_handover_evictions", "hand-over files removed by the byte bound", registry=r
+        )
+        self.handover_files = Gauge("loraserve_store_handover_files", "hand-over files", registry=r)
+        self.handover_bytes = Gauge("loraserve_store_handover_bytes", "bytes of hand-over files", registry=r)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample, e.g. value("loraserve_store_builds_total", {"reason": "register"})."""

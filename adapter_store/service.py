@@ -15,6 +15,7 @@ import binascii
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from loraserve.adapter_store.cache import AdapterCache
 from loraserve.adapter_store.checkpoint import read_checkpoint
@@ -32,6 +33,7 @@ from loraserve.adapter_store.errors import (
 )
 from loraserve.adapter_store.filling import Filling
 from loraserve.adapter_store.flight import SingleFlight
+from loraserve.adapter_store.handover import HandoverDirectory
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.optimize import OptimizedAdapter, optimize
 from loraserve.adapter_store.payload_file import CorruptPayload, PayloadReader
@@ -86,13 +88,21 @@ class AdapterService:
         self._fills: set[asyncio.Future[None]] = set()
         tier_dir = config.payload_cache_dir
         self.tier = DiskTier(tier_dir, config.cache_dir_max_bytes, self.metrics) if tier_dir else None
+        self.handover = (
+            HandoverDirectory(Path(config.handover_dir), config.handover_max_bytes, self.metrics)
+            if config.handover_dir
+            else None
+        )
         base_name = config.expected_base_model_name(base_config) if config.check_base_model else None
         self.limits = Limits(max_lora_rank=config.max_lora_rank, base_model_name=base_name)
         self.draining = False
         self._pending_registrations = 0
 
     def start(self) -> None:
-        """Background start-up work: the disk tier indexes what earlier runs left."""
+        """Start-up work: the hand-over directory is emptied; the disk tier indexes what earlier
+        runs left (in the background)."""
+        if self.handover is not None:
+            self.handover.start()
         if self.tier is not None:
             self.tier.start(self.registry)
 
@@ -228,6 +238,8 @@ class AdapterService:
             self.tier.discard(adapter_id)
         if record is None:
             raise NotFound(f"adapter {adapter_id!r} is not registered")
+        if self.handover is not None:
+            self.handover.discard(record.digest)
         log.info("deleted adapter %s", adapter_id)
         return record
 

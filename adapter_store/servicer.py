@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -18,6 +18,8 @@ from loraserve.contract.chunk_codec import REFETCH_KEY, encode_chunk, serialize_
 from loraserve.serving import tracing
 from loraserve.serving.access_log import note
 from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
+
+T = TypeVar("T")
 
 
 def record_to_pb(r: AdapterRecord) -> adapter_pb2.AdapterInfo:
@@ -110,6 +112,21 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
             opened = await self.service.open_fetch(request.adapter_id, request.offset, request.digest)
             optimized, filling = opened.adapter, opened.filling
             tracing.annotate({"loraserve.bytes": optimized.total_bytes - request.offset}, span)
+        handover = self.service.handover
+        if request.handover and request.offset == 0 and handover is not None:
+            with tracing.span("store.handover", attributes):
+                name = await _filled(handover.offer(optimized, filling), context)
+            if name is not None:
+                note(handover=name[:12])
+                # a serialized message merges its fields into one parsed before it: the cached
+                # manifest plus this one's handover_file is the manifest naming the file
+                yield (
+                    self._manifest(opened.record, optimized)
+                    + store_pb2.FetchAdapterResponse(
+                        manifest=store_pb2.AdapterManifest(handover_file=name)
+                    ).SerializeToString()
+                )
+                return
         note(bytes=optimized.total_bytes - request.offset)
         yield self._manifest(opened.record, optimized)  # a serialized FetchAdapterResponse(manifest=...)
         # The payload stays referenced by `optimized` for the whole stream, even if evicted meanwhile.
@@ -129,11 +146,11 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
             await _filled(filling.verified(), context)
 
 
-async def _filled(waiting: Awaitable[None], context: grpc.aio.ServicerContext) -> None:
+async def _filled(waiting: Awaitable[T], context: grpc.aio.ServicerContext) -> T:
     """Wait on a disk read (filling.py); once it has found its copy damaged, the client is told
     to fetch again from offset 0 (bytes it received came from that copy)."""
     try:
-        await waiting
+        return await waiting
     except PayloadDamaged:
         context.set_trailing_metadata(((REFETCH_KEY, "1"),))
         raise

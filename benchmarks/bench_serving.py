@@ -339,7 +339,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"data ready in {time.monotonic() - t0:.1f} s", flush=True)
     fleet = Fleet(args.workdir)
     try:
-        store = fleet.start_store(model_dir, adapter_root, cache_adapters=args.store_cache, dtype=args.dtype)
+        store = fleet.start_store(
+            model_dir,
+            adapter_root,
+            cache_adapters=args.store_cache,
+            dtype=args.dtype,
+            handover_dir=args.store_handover_dir,
+        )
         bench.store_metrics = store.metrics_address
         t1 = time.monotonic()
         register_all(store.address, adapter_root, names)

@@ -33,6 +33,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=int, default=64)
     p.add_argument("--max-cpu-loras", type=int, default=256)
     p.add_argument("--store-cache", type=int, default=128, help="adapters the store keeps optimized")
+    p.add_argument(
+        "--store-handover-dir",
+        default="",
+        help="the store's --handover-dir (a worker variant with --store-handover-dir DIR takes payloads "
+        "as files there; workers without it stream)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-cache-mb", type=int, default=8192)

@@ -271,7 +271,9 @@ class Fleet:
         self.workdir = workdir
         self.services: list[Service] = []
 
-    def start_store(self, model_dir: Path, adapter_root: Path, *, cache_adapters: int, dtype: str) -> Service:
+    def start_store(
+        self, model_dir: Path, adapter_root: Path, *, cache_adapters: int, dtype: str, handover_dir: str = ""
+    ) -> Service:
         data = self.workdir / "store-data"
         args = [sys.executable, "-m", "loraserve.cli", "store", "--base-model", str(model_dir)]
         args += ["--adapter-root", str(adapter_root), "--data-dir", str(data), "--port", "0"]
@@ -291,6 +293,8 @@ class Fleet:
             "--metrics-port",
             "0",
         ]
+        if handover_dir:
+            args += ["--handover-dir", handover_dir]
         svc = Service(
             "store", "", _spawn("store", args, self.workdir / "store.log"), self.workdir / "store.log"
         )

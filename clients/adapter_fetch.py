@@ -10,6 +10,14 @@ re-registered adapter cannot be spliced in); one that the store ends with DATA_L
 REFETCH_KEY trailer (it had streamed bytes of a damaged copy) starts again from offset 0. The
 sha256 of the buffer must equal the manifest's digest, else DataLossError.
 
+On the store's host a fetch given `handover_dir` (the directory the store was started with as its
+`--handover-dir`, as this process sees it) asks for the payload as a file there: the store answers
+with the manifest alone, naming the file, and the payload is read from it into the buffer. That is
+a copy between processes of one machine of a payload whose digest the store has checked, not a
+transfer, so it is not hashed again (adapter_store/handover.py). A file that is not there (this
+process is on another host, or the file was removed meanwhile) or not the payload's size is
+skipped: the fetch asks again for a stream at once.
+
     with grpc.insecure_channel(addr) as ch:
         adapter = fetch_adapter(ch, "my-adapter")   # or a store_pb2_grpc.AdapterStoreStub(ch)
         a = adapter.tensors["layers.0.qkv.lora_a"]   # [3, r, hidden]
@@ -19,9 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -59,6 +70,10 @@ class FetchedAdapter:
     manifest: store_pb2.AdapterManifest
     buffer: torch.Tensor | None  # [total_bytes] uint8 (None for a download into a numpy array)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # views into buffer
+    # "file": the payload was handed over as a file; "missed": the store named a file that this
+    # process could not read (so it was streamed: is the hand-over directory really shared?);
+    # "": streamed
+    handover: str = ""
 
     @property
     def adapter_id(self) -> str:
@@ -83,11 +98,13 @@ class AdapterDownload:
         pin_memory: bool | None = None,
         buffer: torch.Tensor | None = None,
         allocate: Callable[[int], np.ndarray] | None = None,
+        handover_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """buffer: an optional preallocated 1-D uint8 tensor to fill (its first total_bytes are used);
         allocate: instead, a function that returns a writable 1-D uint8 numpy array for the
         manifest's total_bytes (called once): the download then makes no tensor (nor imports torch),
-        and `finish` checks the digest only."""
+        and `finish` checks the digest only; handover_dir: the store's hand-over directory as seen
+        here (see the module's docstring)."""
         self.adapter_id = adapter_id
         self.manifest: store_pb2.AdapterManifest | None = None
         self._given = buffer
@@ -97,10 +114,19 @@ class AdapterDownload:
         self._np: np.ndarray | None = None
         self._sink = ChunkSink()  # copies and hashes [0, received) in order, beside the receiving
         self._pin = pin_memory  # None: pinned where CUDA is available
+        self._handover_dir = Path(handover_dir) if handover_dir else None
+        self.handover = ""  # as FetchedAdapter.handover
+        self.handover_missed = False  # the last attempt's file could not be read: stream at once
+
+    @property
+    def asks_handover(self) -> bool:
+        return self._handover_dir is not None and not self.handover and self.received == 0
 
     def request(self, digest: str = "") -> store_pb2.FetchAdapterRequest:
         want = self.manifest.digest if self.manifest is not None else digest
-        return store_pb2.FetchAdapterRequest(adapter_id=self.adapter_id, offset=self.received, digest=want)
+        return store_pb2.FetchAdapterRequest(
+            adapter_id=self.adapter_id, offset=self.received, digest=want, handover=self.asks_handover
+        )
 
     @property
     def complete(self) -> bool:
@@ -159,7 +185,13 @@ class AdapterDownload:
                     f"the allocated array cannot hold {m.total_bytes} bytes (writable 1-D uint8)"
                 )
             self._np = out[: m.total_bytes]
-            return
+        else:
+            self._np = self._make_buffer(m)
+        if m.handover_file:
+            self._read_handover(m.handover_file)
+
+    def _make_buffer(self, m: store_pb2.AdapterManifest) -> np.ndarray:
+        """The tensor to fill (`buffer`): the given one, else a new one; -> its numpy view."""
         import torch
 
         if self._given is not None:
@@ -174,7 +206,45 @@ class AdapterDownload:
         else:
             pin = torch.cuda.is_available() if self._pin is None else self._pin
             self.buffer = torch.empty(m.total_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._np = self.buffer.numpy()
+        return self.buffer.numpy()
+
+    def _read_handover(self, name: str) -> None:
+        """The payload from the store's hand-over file `name`, else (missing, or not the payload's
+        size) nothing: the download streams it next."""
+        assert self.manifest is not None and self._np is not None
+        if self._handover_dir is None or self.received:
+            raise FetchError(f"adapter {self.adapter_id!r}: the store handed over a file unasked")
+        if name != self.manifest.digest:  # also keeps the name a plain file name
+            raise FetchError(
+                f"adapter {self.adapter_id!r}: hand-over file {name[:80]!r} is not named by its digest"
+            )
+        total = self.manifest.total_bytes
+        try:
+            fd = os.open(self._handover_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            self.handover = "missed"
+            self.handover_missed = True
+            return
+        try:
+            st = os.fstat(fd)
+            done = 0
+            if stat.S_ISREG(st.st_mode) and st.st_size == total:
+                view = memoryview(self._np)  # type: ignore[arg-type]
+                while done < total:  # the reads run without the interpreter lock
+                    n = os.readv(fd, [view[done:total]])
+                    if n <= 0:
+                        break
+                    done += n
+        except OSError:
+            done = -1
+        finally:
+            os.close(fd)
+        if done != total:
+            self.handover = "missed"
+            self.handover_missed = True
+            return
+        self.received = total
+        self.handover = "file"
 
     def _write(self, offset: int, data: bytes | memoryview) -> None:
         if self.manifest is None or self._np is None:
@@ -197,6 +267,8 @@ class AdapterDownload:
         self.pause()
         self._sink = ChunkSink()
         self.received = 0
+        if self.handover == "file":  # a checked file came, yet the store said refetch: stream it
+            self.handover = "missed"
 
     def pause(self) -> None:
         """Let the copying and hashing threads finish what they were given and end (a fetch that
@@ -209,7 +281,8 @@ class AdapterDownload:
         """Check the digest and build the tensor views."""
         assert self.manifest is not None and self._np is not None
         try:
-            actual = self._sink.hexdigest()
+            # a hand-over file: checked by the store, copied on this host (see the module's docstring)
+            actual = self.manifest.digest if self.handover == "file" else self._sink.hexdigest()
         except ChunkSinkError as exc:
             raise FetchError(f"adapter {self.adapter_id!r}: {exc}") from exc
         if actual != self.manifest.digest:
@@ -218,11 +291,11 @@ class AdapterDownload:
                 f"the manifest digest {self.manifest.digest}"
             )
         if self.buffer is None:  # downloaded into the caller's numpy array
-            return FetchedAdapter(self.manifest, None)
+            return FetchedAdapter(self.manifest, None, handover=self.handover)
         from loraserve.contract.payload import tensor_view
 
         tensors = {t.name: tensor_view(self.buffer, t) for t in self.manifest.tensors}
-        return FetchedAdapter(self.manifest, self.buffer, tensors)
+        return FetchedAdapter(self.manifest, self.buffer, tensors, self.handover)
 
 
 def _retryable(exc: grpc.RpcError) -> bool:
@@ -273,6 +346,7 @@ class _Resumable:
         self.download, self.digest, self.max_retries = d, digest, max_retries
         self._timeout, self._metadata = timeout, metadata
         self.attempts = 0
+        self.retry_now = False  # the next attempt follows without a delay
 
     def stream(self) -> Any:
         """The next attempt's response stream (sync or async, as the target), from the bytes received."""
@@ -283,6 +357,11 @@ class _Resumable:
         DataLossError when the bytes do not match the digest and no attempt is left; FetchError
         once retries are spent (the fetch loops end the download's sink threads on any raise)."""
         d = self.download
+        if exc is None and d.handover_missed and not d.complete:
+            d.handover_missed = False  # the file could not be read: stream it now, no attempt spent
+            self.retry_now = True
+            return None
+        self.retry_now = False
         spent = self.attempts >= self.max_retries
         refetch = exc is not None and _refetch(exc)
         if exc is not None and not (refetch or _retryable(exc)):
@@ -311,7 +390,7 @@ class _Resumable:
 
     @property
     def delay(self) -> float:
-        return _backoff(self.attempts)
+        return 0.0 if self.retry_now else _backoff(self.attempts)
 
 
 def fetch_adapter(
@@ -326,11 +405,15 @@ def fetch_adapter(
     pin_memory: bool | None = None,
     buffer: torch.Tensor | None = None,
     allocate: Callable[[int], np.ndarray] | None = None,
+    handover_dir: str | os.PathLike[str] | None = None,
 ) -> FetchedAdapter:
     """Fetch through a sync channel (fastest) or `AdapterStoreStub`; resumes a broken stream up to
     max_retries times. digest: expected digest (FAILED_PRECONDITION from the store when it differs).
-    allocate: given the payload's size, the buffer to fill (see AdapterDownload)."""
-    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer, allocate=allocate)
+    allocate: given the payload's size, the buffer to fill; handover_dir: the store's hand-over
+    directory on this host (see AdapterDownload)."""
+    d = download or AdapterDownload(
+        adapter_id, pin_memory=pin_memory, buffer=buffer, allocate=allocate, handover_dir=handover_dir
+    )
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
     try:
         while True:
@@ -360,9 +443,12 @@ async def fetch_adapter_async(
     metadata: Sequence[tuple[str, str]] | None = None,
     pin_memory: bool | None = None,
     buffer: torch.Tensor | None = None,
+    handover_dir: str | os.PathLike[str] | None = None,
 ) -> FetchedAdapter:
     """Fetch through a grpc.aio channel (fastest) or an asyncio `AdapterStoreStub`."""
-    d = download or AdapterDownload(adapter_id, pin_memory=pin_memory, buffer=buffer)
+    d = download or AdapterDownload(
+        adapter_id, pin_memory=pin_memory, buffer=buffer, handover_dir=handover_dir
+    )
     run = _Resumable(target, d, digest, max_retries, timeout, metadata)
     try:
         while True:

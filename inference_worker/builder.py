@@ -149,6 +149,8 @@ def store_source(config: WorkerConfig) -> StoreSource:
         tls_root_cert=tls_ca,
         max_fetches=config.max_fetches,
         fetch_process=config.fetch_process,
+        timeout_s=config.store_timeout_s,
+        handover_dir=config.store_handover_dir or None,
     )
 
 

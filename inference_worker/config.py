@@ -80,6 +80,10 @@ _HELP = {
     "look-ahead starts no more); each holds one adapter's payload in flight",
     "fetch_process": "receive adapters from the store in a child process, handed over through shared "
     "memory (/dev/shm; in the worker's own process where there is none)",
+    "store_handover_dir": "the adapter store's --handover-dir as this worker sees it, when both run on one host "
+    "(a shared tmpfs): payloads come as files written there instead of gRPC streams (a file this worker "
+    "cannot read is streamed)",
+    "store_timeout_s": "seconds one attempt of an adapter fetch or store listing may take before it is retried",
     "store_token": "bearer token sent to the store",
     "store_tls_ca": "PEM CA bundle to verify the store's TLS certificate",
     "redis_url": "Redis URL for coordination (in-process coordination when empty)",
@@ -134,6 +138,8 @@ class WorkerConfig:
     preload_adapters: str = ""
     preload_timeout_s: float = 300.0
     fetch_process: bool = True
+    store_handover_dir: str | None = None
+    store_timeout_s: float = 60.0
     store_token: str | None = field(default=None, repr=False)
     store_tls_ca: str | None = None
     redis_url: str | None = None
@@ -206,6 +212,8 @@ class WorkerConfig:
                 problems.append(str(exc))
         if not self.preload_timeout_s > 0:
             problems.append("preload_timeout_s must be > 0")
+        if not 0 < self.store_timeout_s <= 3600:
+            problems.append("store_timeout_s must be in (0, 3600]")
         if not 0.05 <= self.switch_interval_ms <= 100:
             problems.append("switch_interval_ms must be within [0.05, 100]")
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -277,14 +277,23 @@ def _up(args: argparse.Namespace) -> int:
         f"embedded default in {default.data_dir}: model {default.model_dir}, "
         f"{len(default.adapters)} demo adapter(s)"
     )
-    store = start_store(default, args.host, args.store_port, read_token=args.read_token)
+    # store and worker share a host: payloads are handed over as files, not streamed
+    handover = str(default.data_dir / "handover")
+    store = start_store(
+        default, args.host, args.store_port, read_token=args.read_token, handover_dir=handover
+    )
     worker = gateway = None
     try:
         print(f"adapter store on {store.address}")
         infos = register_demo_adapters(store.address, default, args.read_token)
         print(format_table(infos))
         worker = start_worker(
-            default, store.address, args.host, args.worker_port, store_token=args.read_token
+            default,
+            store.address,
+            args.host,
+            args.worker_port,
+            store_token=args.read_token,
+            store_handover_dir=handover,
         )
         print(f"inference worker on {worker.address}")
         with WorkerClient(worker.address, timeout=30) as w:

@@ -135,6 +135,8 @@ class AdapterFetcher:
                     if self._installer.install(payload, generation):
                         seconds = time.perf_counter() - t0
                         self.metrics.observe_load("cpu", ref.adapter_id, seconds)
+                        if payload.transport:
+                            self.metrics.fetch_transport.labels(payload.transport).inc()
                         tracing.annotate(
                             {"loraserve.load_ms": seconds * 1e3, "loraserve.bytes": payload.nbytes}
                         )

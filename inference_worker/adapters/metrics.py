@@ -30,6 +30,13 @@ class AdapterMetrics:
             buckets=LOAD_BUCKETS,
             registry=reg,
         )
+        self.fetch_transport = Counter(
+            "loraserve_worker_adapter_fetch_transport",
+            "Adapters fetched from the store by how the payload came: stream (gRPC), file (handed "
+            "over on the store's host), missed (a hand-over file this worker could not read, streamed).",
+            ["how"],
+            registry=reg,
+        )
         self.evictions = Counter(
             "loraserve_worker_adapter_evictions",
             "Adapters evicted from a tier to make room.",

@@ -66,13 +66,17 @@ class StoreSource:
         tls_root_cert: bytes | None = None,
         max_fetches: int = 4,
         fetch_process: bool = False,
+        handover_dir: str | None = None,
     ) -> None:
-        """fetch_process: fetch in a child process (inference_worker/fetching) where shared memory allows."""
+        """fetch_process: fetch in a child process (inference_worker/fetching) where shared memory
+        allows; handover_dir: the store's hand-over directory on this host (clients/adapter_fetch.py)."""
         self.address = address
         self._metadata: Sequence[tuple[str, str]] | None = bearer_metadata(token)
         self._timeout_s, self._max_retries = timeout_s, max_retries
         self._tls_root_cert = tls_root_cert
         self._max_fetches = max_fetches
+        self._handover_dir = handover_dir
+        self._handover_missed_logged = False
         self._channel: grpc.Channel | None = None
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._process: FetchProcess | None = None
@@ -87,6 +91,7 @@ class StoreSource:
                     tls_root_cert=tls_root_cert,
                     max_fetches=max_fetches,
                     options=CHANNEL_OPTIONS,
+                    handover_dir=handover_dir,
                 )
             else:
                 log.info("no shared memory at %s: adapters are fetched in the worker's process", fp.SHM_DIR)
@@ -140,7 +145,9 @@ class StoreSource:
             except fp.FetchFailure as exc:
                 raise _failure_in_process(exc, adapter_id) from None
             else:
-                return TENSOR_TABLES.payload(got.manifest, got.buffer, adapter_id)
+                return self._handed_over(
+                    TENSOR_TABLES.payload(got.manifest, got.buffer, adapter_id), got.handover
+                )
         return await self._fetch_here(adapter_id, digest, metadata)
 
     async def _fetch_here(
@@ -155,6 +162,7 @@ class StoreSource:
             max_retries=self._max_retries,
             timeout=self._timeout_s,
             metadata=metadata,
+            handover_dir=self._handover_dir,
         )
         try:
             fetched = await self._on_thread(run, adapter_id)
@@ -165,7 +173,21 @@ class StoreSource:
                 f"fetching adapter {adapter_id!r} from the store failed: {exc}"
             ) from None
         assert fetched.buffer is not None  # fetched into a tensor of its own
-        return TENSOR_TABLES.payload(fetched.manifest.SerializeToString(), fetched.buffer, adapter_id)
+        payload = TENSOR_TABLES.payload(fetched.manifest.SerializeToString(), fetched.buffer, adapter_id)
+        return self._handed_over(payload, fetched.handover)
+
+    def _handed_over(self, payload: AdapterPayload, outcome: str) -> AdapterPayload:
+        """`payload`, marked with how it came; says once that the store named hand-over files this
+        worker cannot read (the directory is not shared with it: every fetch pays a round trip more)."""
+        payload.transport = outcome or "stream"
+        if outcome == "missed" and not self._handover_missed_logged:
+            self._handover_missed_logged = True
+            log.warning(
+                "the store handed over an adapter as a file this worker cannot read in %s: is it the "
+                "store's --handover-dir on this host? Such adapters are streamed",
+                self._handover_dir,
+            )
+        return payload
 
     async def digests(self) -> dict[str, str]:
         """adapter id -> digest of everything registered (ListAdapters, all pages)."""

@@ -10,7 +10,7 @@ Protocol (multiprocessing connections over the process's stdin and stdout; stdou
 stderr, so a stray print cannot corrupt it):
     in:  config dict, then ("fetch", id, adapter_id, digest, metadata) | ("release", segment)
          | ("stop",)
-    out: ("ok", id, manifest bytes, segment, nbytes) | ("error", id, kind, code, message)
+    out: ("ok", id, manifest bytes, segment, nbytes, handover) | ("error", id, kind, code, message)
          | ("dropped", segment)
 kind: "rpc" (the store answered `code`, a grpc.StatusCode name), "data_loss", "fetch" (the stream
 broke the contract or could not be completed), "no_room" (no shared memory for the payload).
@@ -163,6 +163,7 @@ class Child:
                 timeout=float(self.config["timeout_s"]),
                 metadata=metadata,
                 allocate=allocate,
+                handover_dir=self.config.get("handover_dir"),
             )
         except Exception as exc:  # every failure goes back to the worker, which maps it
             for seg in taken:
@@ -181,7 +182,7 @@ class Child:
                 self._send(("error", req, "fetch", "", f"{type(exc).__name__}: {exc}"))
             return
         nbytes = int(fetched.manifest.total_bytes)
-        self._send(("ok", req, fetched.manifest.SerializeToString(), taken[0].name, nbytes))
+        self._send(("ok", req, fetched.manifest.SerializeToString(), taken[0].name, nbytes, fetched.handover))
 
     def serve(self, recv: Callable[[], Any]) -> None:
         while True:

@@ -69,6 +69,7 @@ class FetchFailure(Exception):
 class Fetched:
     manifest: bytes  # a serialized store_pb2.AdapterManifest
     buffer: torch.Tensor  # [total_bytes] uint8, the worker's own (pinned where CUDA is)
+    handover: str = ""  # as clients.adapter_fetch.FetchedAdapter.handover
 
 
 class _Child:
@@ -186,8 +187,10 @@ class FetchProcess:
         tls_root_cert: bytes | None,
         max_fetches: int,
         options: Sequence[tuple[str, Any]],
+        handover_dir: str | None = None,
     ) -> None:
         self._config = {
+            "handover_dir": handover_dir,
             "address": address,
             "timeout_s": timeout_s,
             "max_retries": max_retries,
@@ -259,14 +262,14 @@ class FetchProcess:
             if kind == "no_room":
                 raise Unavailable(message)
             raise FetchFailure(kind, code, message)
-        _, _, manifest, segment, nbytes = msg
+        _, _, manifest, segment, nbytes, handover = msg
         try:
             buffer = await asyncio.to_thread(self._copy_out, segment, nbytes)
         except (OSError, ValueError) as exc:  # its process was replaced meanwhile, segments and all
             raise ProcessGone(f"the payload's shared memory went away: {exc}") from None
         finally:
             child.release(segment)
-        return Fetched(manifest, buffer)
+        return Fetched(manifest, buffer, handover)
 
     def _copy_out(self, segment: str, nbytes: int) -> torch.Tensor:
         """The payload in `segment`, copied into a buffer of the worker's (the copy runs without

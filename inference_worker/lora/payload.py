@@ -38,6 +38,9 @@ class AdapterPayload:
     data: torch.Tensor  # [total_bytes] uint8, contiguous (pinned on CUDA hosts)
     tensors: list[PayloadTensor]
     copy_plan: list | None = field(default=None, repr=False, compare=False)  # LoRASlots' cache
+    # how a store fetch brought it: "stream", "file" (handed over on the store's host) or "missed"
+    # (a hand-over file this worker could not read, then streamed); "" when not from the store
+    transport: str = field(default="", compare=False)
 
     @functools.cached_property
     def pinned(self) -> bool:

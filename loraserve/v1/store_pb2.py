@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from loraserve.v1 import adapter_pb2 as loraserve_dot_v1_dot_adapter__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18loraserve/v1/store.proto\x12\x0cloraserve.v1\x1a\x1aloraserve/v1/adapter.proto\"O\n\x16RegisterAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x11\n\toverwrite\x18\x03 \x01(\x08\"\'\n\x11GetAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"<\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"q\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.AdapterInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x13\n\x0btotal_count\x18\x03 \x01(\x05\"*\n\x14\x44\x65leteAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"C\n\x15\x44\x65leteAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.loraserve.v1.AdapterInfo\"I\n\x13\x46\x65tchAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"Y\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xb4\x01\n\x0f\x41\x64\x61pterManifest\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.loraserve.v1.AdapterInfo\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.loraserve.v1.TensorEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x16\n\x0elayout_version\x18\x05 \x01(\x05\x12\x0c\n\x04rank\x18\x06 \x01(\x05\")\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"~\n\x14\x46\x65tchAdapterResponse\x12\x31\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.loraserve.v1.AdapterManifestH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.loraserve.v1.DataChunkH\x00\x42\t\n\x07payload2\xb6\x03\n\x0c\x41\x64\x61pterStore\x12R\n\x0fRegisterAdapter\x12$.loraserve.v1.RegisterAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo\x12H\n\nGetAdapter\x12\x1f.loraserve.v1.GetAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12X\n\rDeleteAdapter\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponse\x12W\n\x0c\x46\x65tchAdapter\x12!.loraserve.v1.FetchAdapterRequest\x1a\".loraserve.v1.FetchAdapterResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18loraserve/v1/store.proto\x12\x0cloraserve.v1\x1a\x1aloraserve/v1/adapter.proto\"O\n\x16RegisterAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x11\n\toverwrite\x18\x03 \x01(\x08\"\'\n\x11GetAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"<\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"q\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.AdapterInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x13\n\x0btotal_count\x18\x03 \x01(\x05\"*\n\x14\x44\x65leteAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"C\n\x15\x44\x65leteAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.loraserve.v1.AdapterInfo\"[\n\x13\x46\x65tchAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x10\n\x08handover\x18\x04 \x01(\x08\"Y\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xcb\x01\n\x0f\x41\x64\x61pterManifest\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.loraserve.v1.AdapterInfo\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.loraserve.v1.TensorEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x16\n\x0elayout_version\x18\x05 \x01(\x05\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x15\n\rhandover_file\x18\x07 \x01(\t\")\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"~\n\x14\x46\x65tchAdapterResponse\x12\x31\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.loraserve.v1.AdapterManifestH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.loraserve.v1.DataChunkH\x00\x42\t\n\x07payload2\xb6\x03\n\x0c\x41\x64\x61pterStore\x12R\n\x0fRegisterAdapter\x12$.loraserve.v1.RegisterAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo\x12H\n\nGetAdapter\x12\x1f.loraserve.v1.GetAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12X\n\rDeleteAdapter\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponse\x12W\n\x0c\x46\x65tchAdapter\x12!.loraserve.v1.FetchAdapterRequest\x1a\".loraserve.v1.FetchAdapterResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,15 +45,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETEADAPTERRESPONSE']._serialized_start=413
   _globals['_DELETEADAPTERRESPONSE']._serialized_end=480
   _globals['_FETCHADAPTERREQUEST']._serialized_start=482
-  _globals['_FETCHADAPTERREQUEST']._serialized_end=555
-  _globals['_TENSORENTRY']._serialized_start=557
-  _globals['_TENSORENTRY']._serialized_end=646
-  _globals['_ADAPTERMANIFEST']._serialized_start=649
-  _globals['_ADAPTERMANIFEST']._serialized_end=829
-  _globals['_DATACHUNK']._serialized_start=831
-  _globals['_DATACHUNK']._serialized_end=872
-  _globals['_FETCHADAPTERRESPONSE']._serialized_start=874
-  _globals['_FETCHADAPTERRESPONSE']._serialized_end=1000
-  _globals['_ADAPTERSTORE']._serialized_start=1003
-  _globals['_ADAPTERSTORE']._serialized_end=1441
+  _globals['_FETCHADAPTERREQUEST']._serialized_end=573
+  _globals['_TENSORENTRY']._serialized_start=575
+  _globals['_TENSORENTRY']._serialized_end=664
+  _globals['_ADAPTERMANIFEST']._serialized_start=667
+  _globals['_ADAPTERMANIFEST']._serialized_end=870
+  _globals['_DATACHUNK']._serialized_start=872
+  _globals['_DATACHUNK']._serialized_end=913
+  _globals['_FETCHADAPTERRESPONSE']._serialized_start=915
+  _globals['_FETCHADAPTERRESPONSE']._serialized_end=1041
+  _globals['_ADAPTERSTORE']._serialized_start=1044
+  _globals['_ADAPTERSTORE']._serialized_end=1482
 # @@protoc_insertion_point(module_scope)

@@ -186,22 +186,29 @@ class FetchAdapterRequest(_message.Message):
     ADAPTER_ID_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
+    HANDOVER_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     """Id of the adapter."""
     offset: _builtins.int
     """Byte offset into the payload to resume from; 0 for the whole payload."""
     digest: _builtins.str
     """Expected digest (hex sha256); when set and the stored adapter differs, FAILED_PRECONDITION."""
+    handover: _builtins.bool
+    """The caller shares the store's hand-over directory (same host): the store may answer with the
+    manifest alone, naming the payload's file there (AdapterManifest.handover_file), instead of
+    chunks. A store without a hand-over directory ignores it. Only with offset 0.
+    """
     def __init__(
         self,
         *,
         adapter_id: _builtins.str = ...,
         offset: _builtins.int = ...,
         digest: _builtins.str = ...,
+        handover: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "digest", b"digest", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "digest", b"digest", "handover", b"handover", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -259,6 +266,7 @@ class AdapterManifest(_message.Message):
     DIGEST_FIELD_NUMBER: _builtins.int
     LAYOUT_VERSION_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
+    HANDOVER_FILE_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     """Total payload size in bytes."""
     digest: _builtins.str
@@ -267,6 +275,10 @@ class AdapterManifest(_message.Message):
     """Layout version of the payload."""
     rank: _builtins.int
     """Largest rank over all modules."""
+    handover_file: _builtins.str
+    """Set when the payload was handed over: the name of its file (total_bytes long, the payload
+    whose digest the store checked) in the store's hand-over directory; no chunks follow.
+    """
     @_builtins.property
     def adapter(self) -> _adapter_pb2.AdapterInfo:
         """The adapter."""
@@ -284,10 +296,11 @@ class AdapterManifest(_message.Message):
         digest: _builtins.str = ...,
         layout_version: _builtins.int = ...,
         rank: _builtins.int = ...,
+        handover_file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "digest", b"digest", "layout_version", b"layout_version", "rank", b"rank", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "digest", b"digest", "handover_file", b"handover_file", "layout_version", b"layout_version", "rank", b"rank", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -227,3 +227,35 @@ def test_fetches_at_once_use_connections_of_their_own(lora_store, caplog):
     ]
     # as many peers as threads took fetches: more than one (the fetches overlap), at most three
     assert len(peers) == len(names) and 2 <= len(set(peers)) <= 3, peers
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_a_store_on_this_host_hands_payloads_over_as_files(
+    tiny_model_dir, lora_adapter_root, lora_store, tmp_path, in_process
+):
+    """With the store's hand-over directory, the fetch process (and the worker's own fetch) read
+    the payload from its file: the same payload as a stream, marked as handed over; a directory
+    that is not the store's is streamed, marked as missed."""
+    from tests.helpers.lora_store import start_lora_store
+
+    shared = tmp_path / "handover"
+    handle = start_lora_store(tiny_model_dir, lora_adapter_root, tmp_path / "store", handover_dir=str(shared))
+    handle.register("all-r4", "all-r4")
+
+    async def body(source):
+        fetch = (lambda a: source._fetch_here(a, "", None)) if in_process else source.fetch
+        return await fetch("all-r4"), await fetch("all-r4")
+
+    try:
+        reference = run(_with_source(lora_store.address, lambda s: s.fetch("all-r4")))
+        first, second = run(_with_source(handle.address, body, handover_dir=str(shared)))
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        missed, _ = run(_with_source(handle.address, body, handover_dir=str(elsewhere)))
+    finally:
+        handle.store.stop()
+    assert reference.transport == "stream"
+    assert (first.transport, second.transport, missed.transport) == ("file", "file", "missed")
+    for got in (first, second, missed):
+        assert (got.digest, got.tensors) == (reference.digest, reference.tensors)
+        assert torch.equal(got.data, reference.data)

@@ -1,0 +1,173 @@
+"""Payloads handed over through a directory that the store and its workers share on one host.
+
+A fetch streams a payload through gRPC: ~1 GB/s into a Python receiver, then a sha256 pass over it
+on the worker (~1.5 GB/s), so a 22 MB adapter costs a worker ~30 ms under load. A worker on the
+store's host can instead ask for the payload as a file (`FetchAdapterRequest.handover`): the store
+writes the payload it holds in memory, whose digest it has checked (built from the source, or read
+from the disk tier and verified), once into `directory` as a file named by its digest, and answers
+with the manifest alone, naming the file. The worker copies the file into its own buffer: a copy
+between two processes' memory on one machine, as the worker's own fetch process hands payloads
+over (inference_worker/fetching/), not a transfer over a network, so no second digest pass.
+
+The directory is the store's: it removes every file it finds there at start-up (an earlier run's),
+keeps at most `max_bytes` of files (least recently handed over go first) and removes an adapter's
+file when it is deleted. A file handed over within the last `keep_s` seconds is not removed for
+room, so a worker has that long to open it; a worker that finds no file (another host, a file
+removed meanwhile) fetches the payload as a stream instead. Files are written under a temporary
+name and renamed into place complete, so a worker never sees part of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from loraserve.adapter_store.filling import Filling
+from loraserve.adapter_store.metrics import StoreMetrics
+from loraserve.adapter_store.optimize import OptimizedAdapter
+
+log = logging.getLogger("loraserve.store.handover")
+
+_TMP_PREFIX = ".writing-"
+_WRITE_STEP = 8 << 20  # bytes per write call
+
+
+class HandoverDirectory:
+    def __init__(self, directory: Path, max_bytes: int, metrics: StoreMetrics, keep_s: float = 10.0) -> None:
+        self.directory, self.max_bytes, self.keep_s = directory, max_bytes, keep_s
+        self.metrics = metrics
+        self._files: OrderedDict[str, tuple[int, float]] = OrderedDict()  # digest -> (bytes, handed out)
+        self._bytes = 0
+        self._writing: dict[str, asyncio.Future[bool]] = {}
+        self._warned_full = 0.0
+
+    def start(self) -> None:
+        """Make the directory (readable by the workers) and remove what an earlier run left."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o755)
+        for path in self.directory.iterdir():
+            if path.is_file() or path.is_symlink():
+                path.unlink(missing_ok=True)
+        self._gauges()
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    async def offer(self, optimized: OptimizedAdapter, filling: Filling | None) -> str | None:
+        """The file name of `optimized`'s payload in the directory, written now if it is not there;
+        None when it cannot be (no room, an I/O error): the fetch streams instead. A payload still
+        read from the disk tier (`filling`) is written once its digest has been checked there."""
+        digest = optimized.digest
+        if filling is None and self._present(digest):
+            return digest
+        if filling is not None:
+            await filling.verified()  # a damaged disk copy raises here, as its stream would
+            if self._present(digest):
+                return digest
+        writing = self._writing.get(digest)
+        if writing is None:
+            writing = asyncio.ensure_future(self._write(optimized))
+            self._writing[digest] = writing
+            writing.add_done_callback(lambda _: self._writing.pop(digest, None))
+        if not await asyncio.shield(writing):
+            return None
+        return digest if self._present(digest, written=True) else None
+
+    def _present(self, digest: str, written: bool = False) -> bool:
+        """Whether the file of `digest` is there (it is then handed out now; `written`: by this
+        fetch's own write)."""
+        if digest not in self._files:
+            return False
+        if not (self.directory / digest).exists():  # removed under us (by hand, or a cleaner)
+            self._forget(digest)
+            return False
+        size, _ = self._files[digest]
+        self._files[digest] = (size, time.monotonic())
+        self._files.move_to_end(digest)
+        if not written:
+            self.metrics.handovers.labels("present").inc()
+        return True
+
+    async def _write(self, optimized: OptimizedAdapter) -> bool:
+        digest, size = optimized.digest, optimized.total_bytes
+        self._make_room(size)
+        try:
+            await asyncio.to_thread(self._write_file, optimized)
+        except OSError as exc:
+            self.metrics.handovers.labels("failed").inc()
+            now = time.monotonic()
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or now - self._warned_full > 60:
+                self._warned_full = now
+                log.warning("hand-over of %s skipped (streamed instead): %s", digest[:12], exc)
+            return False
+        self._files[digest] = (size, time.monotonic())
+        self._bytes += size
+        self.metrics.handovers.labels("written").inc()
+        self.metrics.handover_written_bytes.inc(size)
+        self._make_room(0, keep=digest)
+        self._gauges()
+        return True
+
+    def _write_file(self, optimized: OptimizedAdapter) -> None:
+        final = self.directory / optimized.digest
+        tmp = self.directory / f"{_TMP_PREFIX}{optimized.digest}-{os.getpid()}-{time.monotonic_ns()}"
+        view = memoryview(optimized.payload.numpy())  # type: ignore[arg-type]
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            for start in range(0, len(view), _WRITE_STEP):
+                part = view[start : start + _WRITE_STEP]
+                while part:
+                    part = part[os.write(fd, part) :]
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, final)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _make_room(self, incoming: int, keep: str | None = None) -> None:
+        """Remove least recently handed-over files until `incoming` more bytes fit, sparing `keep`
+        and files handed out within keep_s (the bound may be passed by those until they age)."""
+        now = time.monotonic()
+        for digest in list(self._files):
+            if self._bytes + incoming <= self.max_bytes:
+                break
+            _, handed = self._files[digest]
+            if digest == keep or now - handed < self.keep_s:
+                continue
+            self._remove(digest)
+            self.metrics.handover_evictions.inc()
+
+    def discard(self, digest: str) -> None:
+        """An adapter of this digest was deleted: its file goes (another adapter with the same
+        payload gets it written again on its next fetch)."""
+        if digest in self._files:
+            self._remove(digest)
+
+    def _remove(self, digest: str) -> None:
+        try:
+            (self.directory / digest).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove hand-over file %s: %s", digest[:12], exc)
+        self._forget(digest)
+
+    def _forget(self, digest: str) -> None:
+        entry = self._files.pop(digest, None)
+        if entry is not None:
+            self._bytes -= entry[0]
+            self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.handover_files.set(len(self._files))
+        self.metrics.handover_bytes.set(self._bytes)

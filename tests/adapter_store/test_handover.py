@@ -1,0 +1,238 @@
+"""Payloads handed over as files on the store's host (adapter_store/handover.py, the client side in
+clients/adapter_fetch.py), through a real store on port 0 and real files: the payload arrives whole
+and equal to a streamed one, a directory the client does not share falls back to a stream at once,
+a store without a hand-over directory streams, the byte bound and deletes remove files, and a
+damaged disk-tier copy is never handed over."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from loraserve.adapter_store import payload_file
+from loraserve.adapter_store.handover import HandoverDirectory
+from loraserve.adapter_store.metrics import StoreMetrics
+from loraserve.adapter_store.payload_file import PayloadKey
+from loraserve.clients.adapter_fetch import FETCH_METHOD, FetchError, fetch_adapter, fetch_adapter_async
+from loraserve.v1 import store_pb2, store_pb2_grpc
+from tests.helpers.store_calls import register
+
+
+def _handovers(store, outcome: str) -> float:
+    return store.service.metrics.value("loraserve_store_handovers_total", {"outcome": outcome})
+
+
+def _same(a, b) -> None:
+    assert a.digest == b.digest and bytes(a.buffer.numpy()) == bytes(b.buffer.numpy())
+    assert a.tensors.keys() == b.tensors.keys()
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    return tmp_path / "handover"
+
+
+def test_a_fetch_on_the_stores_host_gets_the_payload_as_a_file(start_store, shared):
+    store = start_store(handover_dir=str(shared))
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-all-r16-rslora")
+        streamed = fetch_adapter(ch, "x")
+        handed = fetch_adapter(ch, "x", handover_dir=shared)
+        again = fetch_adapter(stub, "x", handover_dir=shared, max_retries=0)  # the stub's path too
+    assert streamed.handover == "" and handed.handover == "file" and again.handover == "file"
+    _same(handed, streamed)
+    _same(again, streamed)
+    assert (shared / info.digest).stat().st_size == info.size_bytes
+    assert _handovers(store, "written") == 1 and _handovers(store, "present") == 1
+    assert store.service.metrics.value("loraserve_store_handover_files") == 1
+
+
+def test_a_file_the_client_cannot_read_is_streamed_at_once(start_store, shared, tmp_path):
+    store = start_store(handover_dir=str(shared))
+    elsewhere = tmp_path / "not-shared"
+    elsewhere.mkdir()
+    with grpc.insecure_channel(store.address) as ch:
+        register(store_pb2_grpc.AdapterStoreStub(ch), "x", "peft-all-r16-rslora")
+        reference = fetch_adapter(ch, "x")
+        # no retry is spent on the missed file: with none allowed the stream still comes
+        missed = fetch_adapter(ch, "x", handover_dir=elsewhere, max_retries=0)
+        # a file of the wrong size (not the payload) is not used either
+        (elsewhere / reference.digest).write_bytes(b"\0" * 16)
+        short = fetch_adapter(ch, "x", handover_dir=elsewhere, max_retries=0)
+        # nor a link to the payload's file
+        (elsewhere / reference.digest).unlink()
+        (elsewhere / reference.digest).symlink_to(shared / reference.digest)
+        linked = fetch_adapter(ch, "x", handover_dir=elsewhere, max_retries=0)
+    for got in (missed, short, linked):
+        assert got.handover == "missed"
+        _same(got, reference)
+
+
+def test_a_store_without_a_handover_directory_streams(start_store, shared):
+    store = start_store()
+    with grpc.insecure_channel(store.address) as ch:
+        register(store_pb2_grpc.AdapterStoreStub(ch), "x", "peft-qv-r8")
+        got = fetch_adapter(ch, "x", handover_dir=shared)
+        reference = fetch_adapter(ch, "x")
+    assert got.handover == "" and not shared.exists()
+    _same(got, reference)
+
+
+def test_the_async_fetch_takes_a_handover_too(start_store, shared):
+    store = start_store(handover_dir=str(shared))
+    with grpc.insecure_channel(store.address) as ch:
+        register(store_pb2_grpc.AdapterStoreStub(ch), "x", "peft-patterns")
+        reference = fetch_adapter(ch, "x")
+
+    async def fetch():
+        async with grpc.aio.insecure_channel(store.address) as ach:
+            return await fetch_adapter_async(ach, "x", handover_dir=shared)
+
+    got = asyncio.run(fetch())
+    assert got.handover == "file"
+    _same(got, reference)
+
+
+def test_a_handover_file_not_asked_for_breaks_the_contract(start_store, shared):
+    """A store answering a plain fetch with a file name is refused, not trusted."""
+    store = start_store(handover_dir=str(shared))
+    with grpc.insecure_channel(store.address) as ch:
+        register(store_pb2_grpc.AdapterStoreStub(ch), "x", "peft-qv-r8")
+        fetch_adapter(ch, "x", handover_dir=shared)  # the file is there
+        call = ch.unary_stream(
+            FETCH_METHOD,
+            request_serializer=store_pb2.FetchAdapterRequest.SerializeToString,
+            response_deserializer=store_pb2.FetchAdapterResponse.FromString,
+        )
+        answer = list(call(store_pb2.FetchAdapterRequest(adapter_id="x", handover=True)))
+        assert len(answer) == 1 and answer[0].manifest.handover_file == answer[0].manifest.digest
+
+        class Lying:  # the stub of a store that names a file however it was asked
+            def FetchAdapter(self, request, **kwargs):
+                yield answer[0]
+
+        with pytest.raises(FetchError, match="unasked"):
+            fetch_adapter(Lying(), "x", max_retries=0)
+        answer[0].manifest.handover_file = "../" + answer[0].manifest.digest
+        with pytest.raises(FetchError, match="not named by its digest"):
+            fetch_adapter(Lying(), "x", handover_dir=shared, max_retries=0)
+
+
+def test_deleting_an_adapter_removes_its_file(start_store, shared):
+    store = start_store(handover_dir=str(shared))
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-qv-r8")
+        fetch_adapter(ch, "x", handover_dir=shared)
+        assert (shared / info.digest).exists()
+        stub.DeleteAdapter(store_pb2.DeleteAdapterRequest(adapter_id="x"))
+    assert not (shared / info.digest).exists()
+    assert store.service.metrics.value("loraserve_store_handover_files") == 0
+
+
+def test_the_store_empties_its_directory_at_start(start_store, shared):
+    shared.mkdir()
+    (shared / "left-by-an-earlier-run").write_bytes(b"x")
+    start_store(handover_dir=str(shared))
+    assert list(shared.iterdir()) == []
+
+
+def test_a_handover_directory_must_be_the_stores_own(store_config, tmp_path):
+    for taken in (store_config.data_dir, store_config.adapter_root, str(tmp_path)):
+        with pytest.raises(ValueError, match="handover_dir"):
+            store_config.replace(handover_dir=taken)
+    store_config.replace(handover_dir=str(tmp_path / "handover"))
+
+
+def test_a_damaged_disk_copy_is_not_handed_over(start_store, shared, tmp_path, monkeypatch):
+    """The disk tier's read finds its copy damaged: the fetch is told to start again, gets the
+    payload rebuilt from the source, and no file of the damaged bytes is ever written."""
+    monkeypatch.setattr(payload_file, "READ_STEP", 4096)
+    tier = tmp_path / "tier"
+    store = start_store(handover_dir=str(shared), cache_max_adapters=1, cache_dir=str(tier))
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-all-r16-rslora")
+        reference = fetch_adapter(ch, "x")
+        register(stub, "y", "peft-qv-r8")  # evicts x from memory
+        store.service.tier.flush()
+        path = tier / PayloadKey("x", info.digest).file_name
+        raw = bytearray(path.read_bytes())
+        raw[-10] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        got = fetch_adapter(ch, "x", handover_dir=shared)
+    _same(got, reference)
+    assert got.handover == "file"  # the refetch, from the rebuilt payload
+    assert (shared / info.digest).read_bytes() == bytes(reference.buffer.numpy())
+
+
+def _payload(n: int, fill: int):
+    from loraserve.adapter_store.optimize import OptimizedAdapter
+
+    data = torch.full((n,), fill, dtype=torch.uint8)
+    return OptimizedAdapter(tensors=[], payload=data, digest=f"{fill:064x}", rank=1, dtype="bfloat16")
+
+
+def test_the_byte_bound_removes_least_recently_handed_over_files(tmp_path):
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=3000, metrics=StoreMetrics(), keep_s=0.0)
+    directory.start()
+
+    async def run() -> list[str | None]:
+        names = [await directory.offer(_payload(1000, i), None) for i in (1, 2, 3)]
+        names.append(await directory.offer(_payload(1000, 1), None))  # 1 is now the most recent
+        names.append(await directory.offer(_payload(1000, 4), None))  # 2 goes
+        return names
+
+    names = asyncio.run(run())
+    assert None not in names
+    left = sorted(p.name for p in (tmp_path / "h").iterdir())
+    assert left == sorted([f"{1:064x}", f"{3:064x}", f"{4:064x}"])
+    assert directory.bytes == 3000 and len(directory) == 3
+
+
+def test_files_handed_out_recently_are_kept_past_the_bound(tmp_path):
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1500, metrics=StoreMetrics(), keep_s=60.0)
+    directory.start()
+
+    async def run() -> None:
+        for i in (1, 2):
+            assert await directory.offer(_payload(1000, i), None) is not None
+
+    asyncio.run(run())
+    assert len(list((tmp_path / "h").iterdir())) == 2  # both within keep_s: a reader may be opening one
+
+
+def test_a_file_removed_under_the_store_is_written_again(tmp_path):
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=StoreMetrics())
+    directory.start()
+
+    async def run() -> None:
+        name = await directory.offer(_payload(100, 7), None)
+        assert name is not None
+        os.unlink(tmp_path / "h" / name)
+        assert await directory.offer(_payload(100, 7), None) == name
+        assert (tmp_path / "h" / name).read_bytes() == bytes([7]) * 100
+
+    asyncio.run(run())
+
+
+def test_no_room_streams_instead(tmp_path, monkeypatch):
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=StoreMetrics())
+    directory.start()
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+
+    async def run() -> str | None:
+        return await directory.offer(_payload(100, 7), None)
+
+    assert asyncio.run(run()) is None
+    assert list((tmp_path / "h").iterdir()) == [] and directory.bytes == 0
