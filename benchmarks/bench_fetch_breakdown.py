@@ -1,6 +1,7 @@
 """Where the time of one adapter fetch goes, store to worker: a store process on loopback (its CPU
 cache of one adapter, so that fetching another sends the measured one to its disk tier) and the
-worker's own fetch path (StoreSource, in its fetch process and in-process), against the parts of a
+worker's own fetch path (StoreSource, in its fetch process and in-process; streamed, and handed over
+as a file through the store's hand-over directory on this host), against the parts of a
 fetch measured alone in this process: the store's disk-tier read with its sha256, a bare stream
 (messages received, not copied), the copy and hash of the receiving side, the worker's copy out of
 shared memory, and sha256 on one thread.
@@ -170,29 +171,42 @@ def streams(address: str, size: int, repeats: int, rows: dict[str, list[float]])
             rows[f"receiving side, to the digest checked ({origin})"] = [b for _, b in received]
 
 
-async def worker_fetches(address: str, store_pid: int, repeats: int, rows: dict[str, list[float]]) -> None:
-    """The worker's StoreSource, with its fetch process and without: each fetch's time, and the
-    CPU time the store and the fetch process spent on it."""
-    for path, in_process in (("fetch process", False), ("in-process", True)):
-        source = StoreSource(address, fetch_process=not in_process)
+async def worker_fetches(
+    address: str, store_pid: int, repeats: int, rows: dict[str, list[float]], handover: Path
+) -> None:
+    """The worker's StoreSource, with its fetch process and without, streamed and handed over:
+    each fetch's time, and the CPU time the store and the fetch process spent on it."""
+    for path, in_process, shared in (
+        ("fetch process", False, None),
+        ("in-process", True, None),
+        ("fetch process, hand-over", False, handover),
+        ("in-process, hand-over", True, handover),
+    ):
+        source = StoreSource(address, fetch_process=not in_process, handover_dir=shared and str(shared))
         copies = timed_copies(source)
         try:
-            for origin in ("memory", "disk"):
+            # hand-over: the file written for the fetch from the store's memory or disk tier, or
+            # already there (handed over before)
+            for origin in ("memory", "disk", "file there") if shared else ("memory", "disk"):
                 times, cpu = [], []
                 for i in range(repeats + 1):
                     if origin == "disk":
                         await source.fetch("other")
+                    if shared and origin != "file there":
+                        for f in shared.iterdir():
+                            f.unlink()
                     pids = [store_pid, *fetch_children()] if i else []
                     c0 = [cpu_s(pid) for pid in pids]
                     t0 = time.perf_counter()
-                    await source.fetch("bench")
+                    got = await source.fetch("bench")
+                    assert got.transport == ("file" if shared else "stream"), got.transport
                     if i:
                         times.append(time.perf_counter() - t0)
                         cpu.append([cpu_s(pid) - c for pid, c in zip(pids, c0, strict=True)])
                 rows[f"worker fetch, {path} ({origin})"] = times
-                rows[f"  CPU of the store process ({origin})"] = [c[0] for c in cpu]
+                rows[f"  CPU of the store process ({path}, {origin})"] = [c[0] for c in cpu]
                 if not in_process:
-                    rows[f"  CPU of the fetch process ({origin})"] = [c[1] for c in cpu]
+                    rows[f"  CPU of the fetch process ({path}, {origin})"] = [c[1] for c in cpu]
         finally:
             await source.close()
         if copies:
@@ -241,12 +255,20 @@ def main() -> int:
     args = p.parse_args()
     config = SHAPES[args.shape]
     rows: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as tier:  # the store's disk tier, read again after it stops
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    # the store's disk tier (read again after it stops), and its hand-over directory
+    with tempfile.TemporaryDirectory() as tier, tempfile.TemporaryDirectory(dir=shm) as shared:
+        handover = Path(shared) / "handover"
         with store_with_adapters(
-            config, ["bench", "other"], args.rank, cache_max_adapters=1, cache_dir=Path(tier)
+            config,
+            ["bench", "other"],
+            args.rank,
+            cache_max_adapters=1,
+            cache_dir=Path(tier),
+            extra=["--handover-dir", str(handover), "--handover-max-bytes", str(1 << 20)],
         ) as (store, address, size):
             streams(address, size, args.repeats, rows)
-            asyncio.run(worker_fetches(address, store.pid, args.repeats, rows))
+            asyncio.run(worker_fetches(address, store.pid, args.repeats, rows, handover))
         parts_alone(next(Path(tier).glob("bench@*.payload")), size, args.repeats, rows)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"

@@ -345,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cache_adapters=args.store_cache,
             dtype=args.dtype,
             handover_dir=args.store_handover_dir,
+            handover_max_bytes=args.store_handover_max_bytes,
         )
         bench.store_metrics = store.metrics_address
         t1 = time.monotonic()

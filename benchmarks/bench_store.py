@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -98,11 +98,13 @@ def store_with_adapters(
     first_seed: int = 0,
     cache_max_adapters: int | None = None,
     cache_dir: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> Iterator[tuple[subprocess.Popen, str, int]]:
     """A store process on port 0 (its data in a temporary directory, the base model `config`), with
     a PEFT adapter of `rank` on all seven modules registered under each of `names` (seeds from
     `first_seed`); -> (the process, its address, one payload's bytes). Its disk tier in `cache_dir`
-    when given (kept after the store: its payload files may be read then), else in its data.
+    when given (kept after the store: its payload files may be read then), else in its data; `extra`:
+    more flags of the store.
     Stopped on exit (killed if it has not ended 30 s after its SIGTERM)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -125,7 +127,7 @@ def store_with_adapters(
             cache += ["--cache-dir", str(cache_dir)]
         store, address = start_store(
             ["--host", "127.0.0.1", "--base-model", str(base), "--adapter-root", str(tmp_path / "root"),
-             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING", *cache],
+             "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING", *cache, *extra],
             cwd=str(ROOT),
         )  # fmt: skip
         try:

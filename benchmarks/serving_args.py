@@ -39,6 +39,9 @@ def parser(description: str) -> argparse.ArgumentParser:
         help="the store's --handover-dir (a worker variant with --store-handover-dir DIR takes payloads "
         "as files there; workers without it stream)",
     )
+    p.add_argument(
+        "--store-handover-max-bytes", type=int, default=4 << 30, help="the store's --handover-max-bytes"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--kv-cache-mb", type=int, default=8192)

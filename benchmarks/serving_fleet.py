@@ -272,7 +272,14 @@ class Fleet:
         self.services: list[Service] = []
 
     def start_store(
-        self, model_dir: Path, adapter_root: Path, *, cache_adapters: int, dtype: str, handover_dir: str = ""
+        self,
+        model_dir: Path,
+        adapter_root: Path,
+        *,
+        cache_adapters: int,
+        dtype: str,
+        handover_dir: str = "",
+        handover_max_bytes: int = 4 << 30,
     ) -> Service:
         data = self.workdir / "store-data"
         args = [sys.executable, "-m", "loraserve.cli", "store", "--base-model", str(model_dir)]
@@ -294,7 +301,7 @@ class Fleet:
             "0",
         ]
         if handover_dir:
-            args += ["--handover-dir", handover_dir]
+            args += ["--handover-dir", handover_dir, "--handover-max-bytes", str(handover_max_bytes)]
         svc = Service(
             "store", "", _spawn("store", args, self.workdir / "store.log"), self.workdir / "store.log"
         )
