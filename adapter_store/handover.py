@@ -9,6 +9,11 @@ with the manifest alone, naming the file. The worker copies the file into its ow
 between two processes' memory on one machine, as the worker's own fetch process hands payloads
 over (inference_worker/fetching/), not a transfer over a network, so no second digest pass.
 
+A payload is written when it is registered (it is in memory then) and when a fetch asks for one that
+is not there; a fetch of a payload whose file is there reads nothing of the payload on the store's
+side (not the CPU cache, not the disk tier): the directory is one more tier, in the host's memory,
+shared by every worker there.
+
 The directory is the store's: it removes every file it finds there at start-up (an earlier run's),
 keeps at most `max_bytes` of files (least recently handed over go first) and removes an adapter's
 file when it is deleted. A file handed over within the last `keep_s` seconds is not removed for
@@ -25,11 +30,13 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.adapter_store.filling import Filling
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.optimize import OptimizedAdapter
+from loraserve.contract.payload import PayloadTensor
 
 log = logging.getLogger("loraserve.store.handover")
 
@@ -37,13 +44,36 @@ _TMP_PREFIX = ".writing-"
 _WRITE_STEP = 8 << 20  # bytes per write call
 
 
+@dataclass(frozen=True)
+class PayloadShape:
+    """What a manifest says of a payload (servicer.manifest_to_pb), kept for each file without the
+    payload itself."""
+
+    tensors: list[PayloadTensor]
+    total_bytes: int
+    digest: str
+    layout_version: int
+    rank: int
+
+    @classmethod
+    def of(cls, o: OptimizedAdapter) -> PayloadShape:
+        return cls(list(o.tensors), o.total_bytes, o.digest, o.layout_version, o.rank)
+
+
+@dataclass
+class _File:
+    shape: PayloadShape
+    handed_out: float  # time.monotonic() when last handed out (or written)
+
+
 class HandoverDirectory:
     def __init__(self, directory: Path, max_bytes: int, metrics: StoreMetrics, keep_s: float = 10.0) -> None:
         self.directory, self.max_bytes, self.keep_s = directory, max_bytes, keep_s
         self.metrics = metrics
-        self._files: OrderedDict[str, tuple[int, float]] = OrderedDict()  # digest -> (bytes, handed out)
+        self._files: OrderedDict[str, _File] = OrderedDict()  # by digest, least recently handed out first
         self._bytes = 0
         self._writing: dict[str, asyncio.Future[bool]] = {}
+        self._soon: set[asyncio.Future[str | None]] = set()
         self._warned_full = 0.0
 
     def start(self) -> None:
@@ -67,11 +97,11 @@ class HandoverDirectory:
         None when it cannot be (no room, an I/O error): the fetch streams instead. A payload still
         read from the disk tier (`filling`) is written once its digest has been checked there."""
         digest = optimized.digest
-        if filling is None and self._present(digest):
+        if filling is None and self.present(digest):
             return digest
         if filling is not None:
             await filling.verified()  # a damaged disk copy raises here, as its stream would
-            if self._present(digest):
+            if self.present(digest):
                 return digest
         writing = self._writing.get(digest)
         if writing is None:
@@ -80,22 +110,28 @@ class HandoverDirectory:
             writing.add_done_callback(lambda _: self._writing.pop(digest, None))
         if not await asyncio.shield(writing):
             return None
-        return digest if self._present(digest, written=True) else None
+        return digest if self.present(digest, written=True) is not None else None
 
-    def _present(self, digest: str, written: bool = False) -> bool:
-        """Whether the file of `digest` is there (it is then handed out now; `written`: by this
-        fetch's own write)."""
-        if digest not in self._files:
-            return False
+    def offer_soon(self, optimized: OptimizedAdapter) -> None:
+        """Write `optimized`'s file in the background (just registered: its payload is at hand)."""
+        task = asyncio.ensure_future(self.offer(optimized, None))
+        self._soon.add(task)
+        task.add_done_callback(self._soon.discard)
+
+    def present(self, digest: str, written: bool = False) -> PayloadShape | None:
+        """The payload of `digest` when its file is there (it is then handed out now; `written`: by
+        the asking fetch's own write), else None."""
+        entry = self._files.get(digest)
+        if entry is None:
+            return None
         if not (self.directory / digest).exists():  # removed under us (by hand, or a cleaner)
             self._forget(digest)
-            return False
-        size, _ = self._files[digest]
-        self._files[digest] = (size, time.monotonic())
+            return None
+        entry.handed_out = time.monotonic()
         self._files.move_to_end(digest)
         if not written:
             self.metrics.handovers.labels("present").inc()
-        return True
+        return entry.shape
 
     async def _write(self, optimized: OptimizedAdapter) -> bool:
         digest, size = optimized.digest, optimized.total_bytes
@@ -109,7 +145,8 @@ class HandoverDirectory:
                 self._warned_full = now
                 log.warning("hand-over of %s skipped (streamed instead): %s", digest[:12], exc)
             return False
-        self._files[digest] = (size, time.monotonic())
+        self._forget(digest)  # (counted once, were it there already)
+        self._files[digest] = _File(PayloadShape.of(optimized), time.monotonic())
         self._bytes += size
         self.metrics.handovers.labels("written").inc()
         self.metrics.handover_written_bytes.inc(size)
@@ -143,8 +180,7 @@ class HandoverDirectory:
         for digest in list(self._files):
             if self._bytes + incoming <= self.max_bytes:
                 break
-            _, handed = self._files[digest]
-            if digest == keep or now - handed < self.keep_s:
+            if digest == keep or now - self._files[digest].handed_out < self.keep_s:
                 continue
             self._remove(digest)
             self.metrics.handover_evictions.inc()
@@ -165,7 +201,7 @@ class HandoverDirectory:
     def _forget(self, digest: str) -> None:
         entry = self._files.pop(digest, None)
         if entry is not None:
-            self._bytes -= entry[0]
+            self._bytes -= entry.shape.total_bytes
             self._gauges()
 
     def _gauges(self) -> None:

@@ -186,6 +186,8 @@ class AdapterService:
             # on disk before the reply (a failing disk only logs), then older versions go
             await self.tier.put(record, o)
             self.tier.discard(adapter_id, keep_digest=o.digest)
+        if self.handover is not None:  # while the payload is at hand: workers' first fetches find it
+            self.handover.offer_soon(o)
         log.info(
             "registered adapter %s from %s (rank %d, %d bytes, digest %s)",
             adapter_id,
@@ -243,11 +245,9 @@ class AdapterService:
         log.info("deleted adapter %s", adapter_id)
         return record
 
-    async def open_fetch(self, adapter_id: str, offset: int, digest: str) -> OpenedFetch:
-        """The record and optimized payload to stream from `offset`: from the CPU cache, else the disk
-        tier (still being read: see `OpenedFetch.filling`), else rebuilt from the source."""
+    async def fetch_record(self, adapter_id: str, digest: str) -> AdapterRecord:
+        """The record a fetch of `adapter_id` serves (FAILED_PRECONDITION when it is not `digest`)."""
         self._check_serving()
-        start = time.perf_counter()
         try:
             record = await self.get(adapter_id)
         except Unavailable:
@@ -265,6 +265,18 @@ class AdapterService:
                 f"adapter {adapter_id!r} has digest {record.digest}, not the requested "
                 f"{digest} (it was re-registered)"
             )
+        return record
+
+    async def open_fetch(
+        self, adapter_id: str, offset: int, digest: str, record: AdapterRecord | None = None
+    ) -> OpenedFetch:
+        """The record (`record`, else looked up) and optimized payload to stream from `offset`: from
+        the CPU cache, else the disk tier (still being read: see `OpenedFetch.filling`), else rebuilt
+        from the source."""
+        start = time.perf_counter()
+        if record is None:
+            record = await self.fetch_record(adapter_id, digest)
+        self._check_serving()
         cached = self.cache.get(adapter_id, record.digest, record)
         cache = "hit" if cached is not None else "miss"
         note(cache=cache)
@@ -288,6 +300,12 @@ class AdapterService:
             raise InvalidArgument(f"offset {offset} is outside the payload of {optimized.total_bytes} bytes")
         self.metrics.fetches.inc()
         return OpenedFetch(record, optimized, filling)
+
+    def handed_over_file(self) -> None:
+        """A fetch was answered with a hand-over file already there (no payload read)."""
+        note(origin="handover")
+        tracing.annotate({"loraserve.store.origin": "handover"})
+        self.metrics.fetches.inc()
 
     async def _load(self, record: AdapterRecord) -> tuple[OptimizedAdapter, str, Filling | None]:
         """The payload of `record` from the disk tier (opened, and read into the CPU cache meanwhile),

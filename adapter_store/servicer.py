@@ -11,6 +11,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from loraserve.adapter_store.errors import PayloadDamaged
+from loraserve.adapter_store.handover import PayloadShape
 from loraserve.adapter_store.optimize import OptimizedAdapter
 from loraserve.adapter_store.registry import AdapterRecord
 from loraserve.adapter_store.service import AdapterService
@@ -45,7 +46,7 @@ def record_to_pb(r: AdapterRecord) -> adapter_pb2.AdapterInfo:
     )
 
 
-def manifest_to_pb(r: AdapterRecord, o: OptimizedAdapter) -> store_pb2.AdapterManifest:
+def manifest_to_pb(r: AdapterRecord, o: OptimizedAdapter | PayloadShape) -> store_pb2.AdapterManifest:
     return store_pb2.AdapterManifest(
         adapter=record_to_pb(r),
         tensors=[
@@ -67,7 +68,7 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         self.chunk_bytes = chunk_bytes
         self._manifests: OrderedDict[tuple[str, str], bytes] = OrderedDict()
 
-    def _manifest(self, record: AdapterRecord, optimized: OptimizedAdapter) -> bytes:
+    def _manifest(self, record: AdapterRecord, optimized: OptimizedAdapter | PayloadShape) -> bytes:
         """The serialized manifest message of a fetch, built once per version and record: a
         manifest lists every tensor (hundreds), which costs the event loop more to build than a
         chunk does to send."""
@@ -83,6 +84,17 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         else:
             self._manifests.move_to_end(key)
         return message
+
+    def _handover_manifest(self, record: AdapterRecord, payload: OptimizedAdapter | PayloadShape) -> bytes:
+        """The manifest naming the payload's hand-over file: a serialized message merges its fields
+        into one parsed before it, so the cached manifest plus one holding only handover_file is it."""
+        note(handover=payload.digest[:12])
+        return (
+            self._manifest(record, payload)
+            + store_pb2.FetchAdapterResponse(
+                manifest=store_pb2.AdapterManifest(handover_file=payload.digest)
+            ).SerializeToString()
+        )
 
     async def RegisterAdapter(self, request, context):
         note(adapter=request.adapter_id)
@@ -108,24 +120,26 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
     ) -> AsyncIterator[store_pb2.FetchAdapterResponse | bytes]:
         note(adapter=request.adapter_id, offset=request.offset)
         attributes = {"loraserve.adapter.id": request.adapter_id, "loraserve.offset": request.offset}
+        handover = self.service.handover if request.handover and request.offset == 0 else None
         with tracing.span("store.fetch", attributes) as span:  # cache lookup, or a rebuild on a miss
-            opened = await self.service.open_fetch(request.adapter_id, request.offset, request.digest)
-            optimized, filling = opened.adapter, opened.filling
-            tracing.annotate({"loraserve.bytes": optimized.total_bytes - request.offset}, span)
-        handover = self.service.handover
-        if request.handover and request.offset == 0 and handover is not None:
+            record = await self.service.fetch_record(request.adapter_id, request.digest)
+            shape = handover.present(record.digest) if handover is not None else None
+            if shape is None:
+                opened = await self.service.open_fetch(
+                    request.adapter_id, request.offset, request.digest, record
+                )
+                optimized, filling = opened.adapter, opened.filling
+                tracing.annotate({"loraserve.bytes": optimized.total_bytes - request.offset}, span)
+            else:  # its file is there: nothing of the payload is read here
+                self.service.handed_over_file()
+        if shape is not None:
+            yield self._handover_manifest(record, shape)
+            return
+        if handover is not None:
             with tracing.span("store.handover", attributes):
                 name = await _filled(handover.offer(optimized, filling), context)
             if name is not None:
-                note(handover=name[:12])
-                # a serialized message merges its fields into one parsed before it: the cached
-                # manifest plus this one's handover_file is the manifest naming the file
-                yield (
-                    self._manifest(opened.record, optimized)
-                    + store_pb2.FetchAdapterResponse(
-                        manifest=store_pb2.AdapterManifest(handover_file=name)
-                    ).SerializeToString()
-                )
+                yield self._handover_manifest(record, optimized)
                 return
         note(bytes=optimized.total_bytes - request.offset)
         yield self._manifest(opened.record, optimized)  # a serialized FetchAdapterResponse(manifest=...)

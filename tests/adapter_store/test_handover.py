@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import time
 from pathlib import Path
 
 import grpc
@@ -27,6 +29,14 @@ def _handovers(store, outcome: str) -> float:
     return store.service.metrics.value("loraserve_store_handovers_total", {"outcome": outcome})
 
 
+def _written(path: Path) -> None:
+    """Wait for the file a registration writes in the background."""
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} was not written"
+        time.sleep(0.01)
+
+
 def _same(a, b) -> None:
     assert a.digest == b.digest and bytes(a.buffer.numpy()) == bytes(b.buffer.numpy())
     assert a.tensors.keys() == b.tensors.keys()
@@ -42,6 +52,7 @@ def test_a_fetch_on_the_stores_host_gets_the_payload_as_a_file(start_store, shar
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
         info = register(stub, "x", "peft-all-r16-rslora")
+        _written(shared / info.digest)  # at registration, while the payload is at hand
         streamed = fetch_adapter(ch, "x")
         handed = fetch_adapter(ch, "x", handover_dir=shared)
         again = fetch_adapter(stub, "x", handover_dir=shared, max_retries=0)  # the stub's path too
@@ -49,8 +60,26 @@ def test_a_fetch_on_the_stores_host_gets_the_payload_as_a_file(start_store, shar
     _same(handed, streamed)
     _same(again, streamed)
     assert (shared / info.digest).stat().st_size == info.size_bytes
-    assert _handovers(store, "written") == 1 and _handovers(store, "present") == 1
+    assert _handovers(store, "written") == 1 and _handovers(store, "present") == 2
     assert store.service.metrics.value("loraserve_store_handover_files") == 1
+
+
+def test_a_file_there_is_handed_over_without_reading_the_payload(start_store, shared, adapter_root):
+    """Out of the CPU cache, no disk tier, its source gone: a stream could not be made (the
+    rebuild fails), the file is handed over all the same."""
+    store = start_store(handover_dir=str(shared), cache_max_adapters=1, cache_dir="")
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-all-r16-rslora")
+        reference = fetch_adapter(ch, "x")
+        register(stub, "y", "peft-qv-r8")  # evicts x from memory
+        _written(shared / info.digest)
+        shutil.rmtree(adapter_root / "peft-all-r16-rslora")
+        with pytest.raises(grpc.RpcError):
+            fetch_adapter(ch, "x", max_retries=0)
+        got = fetch_adapter(ch, "x", handover_dir=shared, max_retries=0)
+    assert got.handover == "file"
+    _same(got, reference)
 
 
 def test_a_file_the_client_cannot_read_is_streamed_at_once(start_store, shared, tmp_path):
@@ -162,6 +191,8 @@ def test_a_damaged_disk_copy_is_not_handed_over(start_store, shared, tmp_path, m
         reference = fetch_adapter(ch, "x")
         register(stub, "y", "peft-qv-r8")  # evicts x from memory
         store.service.tier.flush()
+        _written(shared / info.digest)
+        (shared / info.digest).unlink()  # so the fetch reads the disk tier's copy
         path = tier / PayloadKey("x", info.digest).file_name
         raw = bytearray(path.read_bytes())
         raw[-10] ^= 0xFF
