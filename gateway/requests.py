@@ -50,6 +50,8 @@ def _sampling(req: SamplingFields, config: GatewayConfig) -> dict[str, Any]:
         raise _refuse("stop", f"{len(stop)} stop strings, over this server's limit of {config.max_stop}")
     if req.logit_bias:
         raise _refuse("logit_bias", "is not supported", "unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise _refuse("stream_options", "is only allowed when 'stream' is enabled")
     temperature = OPENAI_DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
     kw: dict[str, Any] = dict(
         max_tokens=req.max_tokens or 0,

@@ -107,6 +107,30 @@ def test_invalid_chat_requests_are_400(client) -> None:
     _assert_error(e.value, 400, "invalid_request_error", "wizard", "invalid_value", "messages.1.role")
 
 
+def test_stream_options_needs_stream(client) -> None:
+    """As OpenAI: stream_options of a whole response is refused, not silently ignored."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=ADAPTERS[0], prompt="Hi", max_tokens=2, stream_options={"include_usage": True}
+        )
+    words = "stream_options: is only allowed when 'stream' is enabled"
+    _assert_error(e.value, 400, "invalid_request_error", words, "invalid_value", "stream_options")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=ADAPTERS[0],
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            stream=False,
+            stream_options={"include_usage": False},
+        )
+    _assert_error(e.value, 400, "invalid_request_error", words, "invalid_value", "stream_options")
+    # null is no option: accepted, as is stream_options with stream
+    out = client.completions.create(
+        model=ADAPTERS[0], prompt="Hi", max_tokens=2, extra_body={"stream_options": None}
+    )
+    assert out.usage.completion_tokens <= 2
+
+
 @pytest.mark.parametrize(
     ("body", "message", "param", "code"),
     [
