@@ -20,6 +20,7 @@ from loraserve.gateway.errors import APIError, install_error_handlers, unknown_m
 from loraserve.gateway.handler import RequestHandler
 from loraserve.gateway.limits import BodyLimit
 from loraserve.gateway.metrics import GatewayMetrics
+from loraserve.gateway.requests import adapter_for
 from loraserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList
 from loraserve.serving import tracing
 from loraserve.serving.bearer import check_bearer
@@ -97,7 +98,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     @app.get("/v1/models/{model:path}", dependencies=v1)
     async def get_model(model: str) -> Model:
         base = await backend.base_model()
-        if model == base:
+        if not adapter_for(model, base):
             return Model(id=base, created=started, root=base)
         if backend.store is not None:
             try:

@@ -103,8 +103,9 @@ class APIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status)
 
 
-def unknown_model(model: str) -> APIError:
-    return APIError(404, f"the model {model!r} does not exist", "not_found_error", "model", "model_not_found")
+def unknown_model(model: str, why: str = "") -> APIError:
+    message = f"the model {model!r} does not exist" + (f": {why}" if why else "")
+    return APIError(404, message, "not_found_error", "model", "model_not_found")
 
 
 # pydantic puts the union member a value failed in into the error's loc ('str', 'list[TextPart]',

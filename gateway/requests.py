@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.gateway.config import GatewayConfig
-from loraserve.gateway.errors import APIError
+from loraserve.gateway.errors import APIError, unknown_model
 from loraserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI samples with when a request sets none
@@ -34,8 +34,16 @@ class Plan:
 
 def adapter_for(model: str, base_model: str) -> str:
     """The worker's adapter_id for a `model`: "" for the base model's name, else the adapter id
-    (or id@digest) itself; the worker answers NOT_FOUND for one the store does not know."""
-    return "" if model == base_model else model
+    (or id@digest) itself; the worker answers NOT_FOUND for one the store does not know. The base
+    model's name with an @digest is refused here: a digest pins an adapter's version, and the base
+    model has none (its name also hides an adapter of that id, with or without a digest)."""
+    if model == base_model:
+        return ""
+    name, at, _ = model.partition("@")
+    if at and name == base_model:
+        why = f"{base_model!r} is the base model, which takes no @digest: send model={base_model!r}"
+        raise unknown_model(model, why)
+    return model
 
 
 def _refuse(param: str, message: str, code: str = "invalid_value") -> APIError:

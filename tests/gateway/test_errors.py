@@ -40,6 +40,26 @@ def test_unknown_model_is_404(client) -> None:
     _assert_error(e.value, 404, "not_found_error", "no-such-adapter", "model_not_found", "model")
 
 
+def test_the_base_model_takes_no_digest(client) -> None:
+    """`id@digest` pins an adapter's version; the base model has none to pin."""
+    base = client.models.list().data[0].id
+    for digest in ("0" * 64, "xyz", ""):
+        model = f"{base}@{digest}"
+        words = f"{base!r} is the base model, which takes no @digest: send model={base!r}"
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2)
+        _assert_error(e.value, 404, "not_found_error", words, "model_not_found", "model")
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True
+            )
+        _assert_error(e.value, 404, "not_found_error", words, "model_not_found", "model")
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(model)
+        _assert_error(e.value, 404, "not_found_error", words, "model_not_found", "model")
+    assert client.completions.create(model=base, prompt="Hi", max_tokens=2).model == base
+
+
 @pytest.mark.parametrize(
     ("kw", "words", "code", "param"),
     [
