@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import grpc
 from fastapi import FastAPI, Request
@@ -112,6 +112,37 @@ def unknown_model(model: str, why: str = "") -> APIError:
 # 'constrained-str'); no field of the API is named like one
 _UNION_MEMBER = re.compile(r"str|int|float|bool|[a-z]+-[a-z]+|\w+\[.*\]|[A-Z]\w*")
 _JSON_OBJECT = "send a JSON object with Content-Type: application/json"
+Loc = tuple[int | str, ...]
+
+
+def _is_member(part: int | str) -> bool:
+    return isinstance(part, str) and _UNION_MEMBER.fullmatch(part) is not None
+
+
+def _reach(loc: Loc) -> tuple[int, ...]:
+    """How far into the value a failure at `loc` got: its list indices (a key counts as 0), compared
+    as tuples: a later element, else a deeper one, is further."""
+    return tuple(p if isinstance(p, int) else 0 for p in loc if not _is_member(p))
+
+
+def _meant(errors: Sequence[Mapping], start: int = 0) -> Mapping:
+    """The error of the first problem, in the union member the client meant. A value no member of a
+    union accepts fails in each member; the member that got furthest into the value before its first
+    failure is the one meant (["a", 3] is a list of strings with a bad element 1, not token ids
+    with a bad element 0; a list of parts with a bad part, not a string); a tie goes to the first
+    member. A union inside the chosen member is decided the same way."""
+    loc: Loc = tuple(errors[0].get("loc", ()))
+    at = next((i for i in range(start, len(loc)) if _is_member(loc[i])), None)
+    if at is None:
+        return errors[0]
+    firsts: dict[int | str, Mapping] = {}  # each member's first failure
+    for e in errors:
+        where: Loc = tuple(e.get("loc", ()))
+        if len(where) > at and where[:at] == loc[:at] and _is_member(where[at]):
+            firsts.setdefault(where[at], e)
+    member = max(firsts, key=lambda m: _reach(tuple(firsts[m]["loc"])[at + 1 :]))
+    inside = [e for e in errors if tuple(e.get("loc", ()))[: at + 1] == (*loc[:at], member)]
+    return _meant(inside, at + 1)
 
 
 def _code_of(error: Mapping) -> str:
@@ -126,9 +157,8 @@ def _code_of(error: Mapping) -> str:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
-    """The first problem, naming its field as a dotted path (`messages.0.role`), and its code. A
-    value that no member of a union accepts fails once per member; the member that got deepest into
-    the value is the one the client meant (a list of parts with a bad part, not a string)."""
+    """The first problem (in the union member the client meant), naming its field as a dotted path
+    (`messages.0.role`), and its code."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None, "invalid_value"
@@ -145,13 +175,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         if first.get("type") == "missing":
             return f"the request body is empty: {_JSON_OBJECT}", None, "invalid_json"
         return f"the request body must be a JSON object: {_JSON_OBJECT}", None, "invalid_json"
-    same_field = [e for e in errors if list(e.get("loc", ()))[:2] == loc[:2]]
-    first = max(same_field, key=lambda e: len(e.get("loc", ())))  # the first of the deepest
-    path = [
-        str(p)
-        for p in first.get("loc", ())
-        if p != "body" and not (isinstance(p, str) and _UNION_MEMBER.fullmatch(p))
-    ]
+    first = _meant(errors)
+    path = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_member(p)]
     field = ".".join(path) or None
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
     return message, field, _code_of(first)

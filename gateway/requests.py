@@ -105,12 +105,12 @@ def completion_plan(req: CompletionRequest, config: GatewayConfig, base_model: s
     if req.best_of is not None and req.best_of != req.n:
         raise _refuse("best_of", "must equal n (or be left out)", "unsupported_value")
     prompt: str | list[int]
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str | list):
         if len(req.prompt) != 1:
             raise _refuse(
                 "prompt", f"one prompt per request, got a list of {len(req.prompt)}", "unsupported_value"
             )
-        prompt = str(req.prompt[0])
+        prompt = req.prompt[0]  # type: ignore[assignment]
     else:
         prompt = req.prompt  # type: ignore[assignment]
     if len(prompt) > config.max_prompt_chars:

@@ -75,6 +75,7 @@ def test_the_base_model_takes_no_digest(client) -> None:
         (dict(extra_body={"top_k": 1 << 40}), "top_k", "invalid_value", "top_k"),
         (dict(prompt=""), "prompt is empty", "invalid_value", "prompt"),
         (dict(prompt=["a", "b"]), "one prompt per request", "unsupported_value", "prompt"),
+        (dict(prompt=[[1, 2], [3]]), "one prompt per request", "unsupported_value", "prompt"),
         (dict(model=f"{ADAPTERS[0]}@xyz"), "digest 'xyz'", "invalid_value", "model"),
         (dict(model=f"{ADAPTERS[0]}@{'0' * 64}"), "not the requested", "model_not_available", "model"),
         (dict(extra_body={"prompt": None}), "prompt", "invalid_type", "prompt"),
@@ -196,6 +197,31 @@ def test_malformed_bodies_name_what_is_wrong(gateway, body, message, param, code
         "param": "model",
         "code": "missing_required_parameter",
     }
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message", "param"),
+    [
+        # the union member the client meant is the one that got furthest into the value
+        (["a", 3], "prompt.1: Input should be a valid string", "prompt.1"),
+        (["a", "b", None], "prompt.2: Input should be a valid string", "prompt.2"),
+        ([1, "x", 2, "y"], "prompt.1: Input should be a valid integer", "prompt.1"),
+        ([1, 2, 1 << 40], "prompt.2: Input should be less than 2147483648", "prompt.2"),
+        ([[1, 2], [3, "x"]], "prompt.1.1: Input should be a valid integer", "prompt.1.1"),
+        ([[1, -1]], "prompt.0.1: Input should be greater than or equal to 0", "prompt.0.1"),
+        ([[1], 2], "prompt.1: Input should be a valid list", "prompt.1"),
+        ([1.5], "prompt.0: Input should be a valid integer", "prompt.0"),
+        (5, "prompt: Input should be a valid string", "prompt"),
+        ({"text": "Hi"}, "prompt: Input should be a valid string", "prompt"),
+    ],
+)
+def test_a_bad_prompt_names_its_bad_element(gateway, prompt, message, param) -> None:
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    body = {"model": ADAPTERS[0], "prompt": prompt, "max_tokens": 2}
+    r = httpx.post(gateway.url + "/v1/completions", json=body, headers=headers)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["message"].startswith(message) and error["param"] == param, error
 
 
 def test_api_key_refused_and_accepted(gateway) -> None:
