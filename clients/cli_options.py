@@ -93,14 +93,27 @@ def progress_bar(description: str) -> Iterator[Callable[[int, int], None] | None
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count of at least 1 (--max-tokens, -n): the request's 0 means the
+    server's default, which a command line that shows its own default must not send unasked."""
+    k = _whole_number(text)
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"need a whole number >= 1, got {k}")
+    return k
+
+
 def stream_interval(text: str) -> int:
     """argparse type of --stream-interval K: GenerateRequest.stream_interval's range."""
     from loraserve.contract.streaming import MAX_STREAM_INTERVAL
 
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    k = _whole_number(text)
     if not 0 <= k <= MAX_STREAM_INTERVAL:
         raise argparse.ArgumentTypeError(f"need 0 <= K <= {MAX_STREAM_INTERVAL}, got {k}")
     return k

@@ -16,7 +16,13 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from loraserve.clients.cli_help import DefaultsHelpFormatter
-from loraserve.clients.cli_options import add_json_arg, add_tls_args, print_json, stream_interval
+from loraserve.clients.cli_options import (
+    add_json_arg,
+    add_tls_args,
+    positive_int,
+    print_json,
+    stream_interval,
+)
 from loraserve.clients.router import WorkerRouter, discover_workers
 from loraserve.clients.tables import format_table
 from loraserve.clients.worker_client import Completion, WorkerClient
@@ -110,14 +116,16 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="do not open an assistant turn after the messages",
     )
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="completion i samples with seed + i")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("-n", type=int, default=1, help="completions of the prompt (its KV computed once)")
+    p.add_argument(
+        "-n", type=positive_int, default=1, help="completions of the prompt (its KV computed once)"
+    )
     p.add_argument("--logprobs", action="store_true", help="print each token's log-probability")
     p.add_argument(
         "--top-logprobs", type=int, default=0, help="alternatives per token (0..20), implies --logprobs"

@@ -20,14 +20,17 @@ from loraserve.gateway.errors import APIError, install_error_handlers, unknown_m
 from loraserve.gateway.handler import RequestHandler
 from loraserve.gateway.limits import BodyLimit
 from loraserve.gateway.metrics import GatewayMetrics
+from loraserve.gateway.requests import adapter_for
 from loraserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Model, ModelList
 from loraserve.serving import tracing
 from loraserve.serving.bearer import check_bearer
 
 _AUTH_STATUS = {
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
+    "UNAUTHENTICATED": (401, "authentication_error", "missing_api_key"),
+    "PERMISSION_DENIED": (403, "permission_error", "invalid_api_key"),
 }
+# a route's own HTTP errors (no such path, a method it does not take)
+_HTTP_CODES = {404: "unknown_url", 405: "method_not_allowed"}
 
 
 def _adapter_model(info, base: str) -> Model:
@@ -59,7 +62,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code)).response()
 
     def api_key(request: Request) -> None:
         """Bearer API key of /v1/*: 401 without one, 403 for a wrong one; open without --api-key."""
@@ -68,11 +71,11 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         header = request.headers.get("authorization")
         problem = check_bearer([("authorization", header)] if header else [], config.api_key)
         if problem is not None:
-            status, kind = _AUTH_STATUS[problem[0]]
+            status, kind, code = _AUTH_STATUS[problem[0]]
             message = (
                 "missing API key: send 'Authorization: Bearer <key>'" if status == 401 else "invalid API key"
             )
-            raise APIError(status, message, kind)
+            raise APIError(status, message, kind, code=code)
 
     v1 = [Depends(api_key)]
 
@@ -95,7 +98,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     @app.get("/v1/models/{model:path}", dependencies=v1)
     async def get_model(model: str) -> Model:
         base = await backend.base_model()
-        if model == base:
+        if not adapter_for(model, base):
             return Model(id=base, created=started, root=base)
         if backend.store is not None:
             try:

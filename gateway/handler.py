@@ -83,6 +83,7 @@ class RequestHandler:
         client = request.client
         line: dict = {"model": body.model, "stream": bool(body.stream)}
         line["peer"] = f"{client.host}:{client.port}" if client is not None else ""
+        plan: Plan | None = None
         try:
             base = await self.backend.base_model()
             plan = (
@@ -102,7 +103,7 @@ class RequestHandler:
             out = completion(plan, gen) if endpoint == "completions" else chat_completion(plan, gen)
             return JSONResponse(out.model_dump())
         except grpc.RpcError as exc:
-            error = APIError.from_rpc(exc)
+            error = APIError.from_rpc(exc, plan.names if plan is not None else None)
             status = error.status
             return error.response()
         except APIError as error:
@@ -190,7 +191,7 @@ class RequestHandler:
                     delta = await anext(deltas, None)
             yield DONE
         except grpc.RpcError as exc:  # after the first token: the status line is sent already
-            error = APIError.from_rpc(exc)
+            error = APIError.from_rpc(exc, chunks.plan.names)
             status = error.status
             yield _sse(error.body())
             yield DONE

@@ -15,7 +15,11 @@ class BodyLimit:
         self.app, self.max_bytes = app, max_bytes
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(413, f"the request body is over this server's limit of {self.max_bytes} bytes")
+        error = APIError(
+            413,
+            f"the request body is over this server's limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
         await error.response()(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -54,7 +54,7 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[TokenId] | list[str]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]  # a list of prompts: one here
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None

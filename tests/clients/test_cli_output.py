@@ -70,6 +70,24 @@ def test_exit_statuses(start_store, capsys) -> None:
     assert cli_main(["health", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 3  # no answer
 
 
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--max-tokens", "0"], "--max-tokens: need a whole number >= 1, got 0"),
+        (["--max-tokens", "-5"], "--max-tokens: need a whole number >= 1, got -5"),
+        (["--max-tokens", "many"], "--max-tokens: expected a whole number, got 'many'"),
+        (["-n", "0"], "-n: need a whole number >= 1, got 0"),
+        (["-n", "-1"], "-n: need a whole number >= 1, got -1"),
+    ],
+)
+def test_generate_counts_below_one_are_usage_errors(argv, words, capsys) -> None:
+    """0 is no "default": a usage error before any worker is called (none listens there)."""
+    with pytest.raises(SystemExit) as usage:
+        cli_main(["generate", "hello", "--worker", f"127.0.0.1:{free_port()}", *argv])
+    assert usage.value.code == 2
+    assert words in capsys.readouterr().err
+
+
 def test_progress_only_on_a_terminal(monkeypatch, capsys) -> None:
     import sys
 

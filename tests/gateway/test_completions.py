@@ -44,6 +44,18 @@ def test_completion_equals_the_workers_greedy_output(client, gateway_worker, bas
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
+def test_a_prompt_of_token_ids_in_each_shape(client, tiny_model_dir) -> None:
+    """OpenAI's prompt is a string, token ids, or a list of either (one of them here)."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).encode(PROMPT).ids
+    want = client.completions.create(model=ADAPTERS[0], prompt=PROMPT, max_tokens=6, temperature=0)
+    for prompt in (ids, [ids], [PROMPT]):
+        out = client.completions.create(model=ADAPTERS[0], prompt=prompt, max_tokens=6, temperature=0)
+        assert out.choices[0].text == want.choices[0].text
+        assert out.usage.prompt_tokens == want.usage.prompt_tokens
+
+
 def test_streamed_completion_equals_the_whole_one(client) -> None:
     whole = client.completions.create(model=ADAPTERS[2], prompt=PROMPT, max_tokens=10, temperature=0)
     chunks = list(
