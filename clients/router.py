@@ -26,8 +26,9 @@ then fetched copies of them. Measured through the services at saturation: two wo
 of the most popular adapters twice and found 73–76 % of requests' adapters resident; with the
 loads kept current, 8 twice and 89.6 % (H100, two workers, 1,000 adapters, Zipf 1.0).
 A worker that answers UNAVAILABLE is skipped for `down_s` and the request is retried on the next
-candidate (a stream only while it has produced nothing). A worker that was down is routed to again
-once a refresh after `down_s` finds it answering.
+candidate (a stream only while it has produced nothing); a stream whose first message does not come
+within `first_message_timeout` is cancelled, its worker down too, and DEADLINE_EXCEEDED raised. A
+worker that was down is routed to again once a refresh after `down_s` finds it answering.
 
     router = WorkerRouter(["10.0.0.1:50061", "10.0.0.2:50061"])
     router = WorkerRouter(discover_workers("redis://redis:6379/0"))   # the fleet's live workers
@@ -44,8 +45,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loraserve.clients.channel import KEEPALIVE, Keepalive
 from loraserve.clients.placement import weight
-from loraserve.clients.worker_client import Delta, Generation, WorkerClient
+from loraserve.clients.worker_client import (
+    FIRST_MESSAGE_TIMEOUT_S,
+    Delta,
+    FirstMessageTimeout,
+    Generation,
+    WorkerClient,
+)
 from loraserve.v1 import worker_pb2
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -128,6 +136,8 @@ class WorkerRouter:
         token: str | None = None,
         tls_ca: str | None = None,
         timeout: float | None = None,
+        first_message_timeout: float | None = FIRST_MESSAGE_TIMEOUT_S,
+        keepalive: Keepalive | None = KEEPALIVE,
         tls: bool = False,
         clock: Callable[[], float] = time.monotonic,
         max_imbalance: int = MAX_IMBALANCE,
@@ -140,7 +150,18 @@ class WorkerRouter:
         self._lock = threading.Lock()
         self._refreshed = threading.Condition(self._lock)  # notified as each refresh ends
         self.workers = [
-            WorkerView(a, WorkerClient(a, token=token, tls_ca=tls_ca, timeout=timeout, tls=tls))
+            WorkerView(
+                a,
+                WorkerClient(
+                    a,
+                    token=token,
+                    tls_ca=tls_ca,
+                    timeout=timeout,
+                    first_message_timeout=first_message_timeout,
+                    keepalive=keepalive,
+                    tls=tls,
+                ),
+            )
             for a in dict.fromkeys(addresses)
         ]
 
@@ -285,6 +306,9 @@ class WorkerRouter:
                         started = True
                         yield delta
             except grpc.RpcError as exc:
+                if isinstance(exc, FirstMessageTimeout):  # hung, or queueing that long: not now
+                    self.mark_down(w)
+                    raise
                 if started or exc.code() not in _RETRYABLE:
                     raise
                 self.mark_down(w)

@@ -1,12 +1,16 @@
-"""Stand-ins for inference workers, for the clients' tests: a `FakeWorker` servicer on a real
-grpc.aio server (the services' own `grpc_server`; port 0, its own loop in a thread) that reports a
-load and the adapters it holds and answers generations with its address, and can hang; and a
-`silent_listener`, which accepts connections and never says a word (not even HTTP/2's preface)."""
+"""Stand-ins for inference workers, for the clients' tests of routing, deadlines and keepalive: a
+`FakeWorker` servicer on a real grpc.aio server (the services' own `grpc_server`, so their
+keepalive policy too; port 0, its own loop in a thread) that reports a load and the adapters it
+holds and answers generations with its address, and can hang; a `silent_listener`, which accepts
+connections and never says a word (not even HTTP/2's preface); and a `FreezingProxy`, a peer that
+goes silent with its connections open."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -106,3 +110,51 @@ def silent_listener() -> Iterator[str]:
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)
         yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+class FreezingProxy:
+    """A TCP proxy to `target` that can freeze: it then passes nothing on, either way, and keeps
+    every connection open, which is how a peer looks whose host went away or whose process was
+    stopped (SIGSTOP)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self.frozen = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="freezing-proxy", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self._target)
+            except OSError:
+                return
+            self._sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            while self.frozen.is_set():  # read, never passed on: a ping goes unanswered
+                time.sleep(0.02)
+            try:
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.frozen.clear()
+        self._listener.close()
+        for s in self._sockets:
+            s.close()
