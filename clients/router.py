@@ -14,6 +14,10 @@ more adapters than one worker's slots without thrashing them:
     fetches a copy). Base requests go to the least loaded worker.
 
 Residency and load come from each worker's ListAdapters and GetWorkerInfo, cached for `refresh_s`.
+A routing decision never waits for them: a stale view is refreshed in the background (every
+worker's at once, each call bounded by `refresh_timeout_s`) and requests are routed on the last
+one meanwhile; only a router's first decision waits, at most `refresh_timeout_s`, for the first
+views. A worker whose refresh times out or answers UNAVAILABLE is down for `down_s`.
 Between refreshes the router keeps each worker's load current with its own traffic: a request it
 sends counts on that worker until it ends (`routed`). Without that, every choice within a refresh
 period saw the same numbers: under saturation a worker that read as overloaded lost every request
@@ -22,7 +26,9 @@ then fetched copies of them. Measured through the services at saturation: two wo
 of the most popular adapters twice and found 73–76 % of requests' adapters resident; with the
 loads kept current, 8 twice and 89.6 % (H100, two workers, 1,000 adapters, Zipf 1.0).
 A worker that answers UNAVAILABLE is skipped for `down_s` and the request is retried on the next
-candidate (a stream only while it has produced nothing).
+candidate (a stream only while it has produced nothing); a stream whose first message does not come
+within `first_message_timeout` is cancelled, its worker down too, and DEADLINE_EXCEEDED raised. A
+worker that was down is routed to again once a refresh after `down_s` finds it answering.
 
     router = WorkerRouter(["10.0.0.1:50061", "10.0.0.2:50061"])
     router = WorkerRouter(discover_workers("redis://redis:6379/0"))   # the fleet's live workers
@@ -39,11 +45,20 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loraserve.clients.channel import KEEPALIVE, Keepalive
 from loraserve.clients.placement import weight
-from loraserve.clients.worker_client import Delta, Generation, WorkerClient
+from loraserve.clients.worker_client import (
+    FIRST_MESSAGE_TIMEOUT_S,
+    Delta,
+    FirstMessageTimeout,
+    Generation,
+    WorkerClient,
+)
 from loraserve.v1 import worker_pb2
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# a refresh that ends with one of these got no answer from the worker: it is down
+_UNANSWERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass
@@ -56,8 +71,11 @@ class WorkerView:
     gpu: set[str] = field(default_factory=set)  # adapter ids in GPU slots
     cpu: set[str] = field(default_factory=set)  # adapter ids in the CPU cache
     max_loras: int = 0  # GPU adapter slots
-    seen_at: float = float("-inf")
-    down_until: float = float("-inf")
+    seen_at: float = float("-inf")  # when its last refresh started (-inf: none has ended)
+    down_until: float = float("-inf")  # no request and no refresh goes to it before then
+    down: bool = False  # out of routing until a refresh started after it went down answers
+    downs: int = 0  # times it went down (a refresh from before the last time cannot bring it back)
+    refreshing: bool = False  # a refresh is in flight
 
 
 def discover_workers(redis_url: str, prefix: str = "loraserve:") -> list[str]:
@@ -113,47 +131,123 @@ class WorkerRouter:
         addresses: Sequence[str],
         *,
         refresh_s: float = 2.0,
+        refresh_timeout_s: float = 2.0,
         down_s: float = 5.0,
         token: str | None = None,
         tls_ca: str | None = None,
         timeout: float | None = None,
+        first_message_timeout: float | None = FIRST_MESSAGE_TIMEOUT_S,
+        keepalive: Keepalive | None = KEEPALIVE,
         tls: bool = False,
         clock: Callable[[], float] = time.monotonic,
         max_imbalance: int = MAX_IMBALANCE,
     ) -> None:
         if not addresses:
             raise ValueError("a router needs at least one worker address")
-        self.refresh_s, self.down_s, self._clock = refresh_s, down_s, clock
+        self.refresh_s, self.refresh_timeout_s, self.down_s = refresh_s, refresh_timeout_s, down_s
+        self._clock = clock
         self.max_imbalance = max_imbalance
         self._lock = threading.Lock()
+        self._refreshed = threading.Condition(self._lock)  # notified as each refresh ends
         self.workers = [
-            WorkerView(a, WorkerClient(a, token=token, tls_ca=tls_ca, timeout=timeout, tls=tls))
+            WorkerView(
+                a,
+                WorkerClient(
+                    a,
+                    token=token,
+                    tls_ca=tls_ca,
+                    timeout=timeout,
+                    first_message_timeout=first_message_timeout,
+                    keepalive=keepalive,
+                    tls=tls,
+                ),
+            )
             for a in dict.fromkeys(addresses)
         ]
 
-    def _refresh(self, w: WorkerView, now: float) -> None:
+    def _refresh(self, w: WorkerView, started: float, downs: int) -> None:
+        """Ask `w` for its view, both calls at once, and return: `_refreshed_view` takes the answers
+        (on a gRPC thread). `downs`: w.downs when the refresh was decided on."""
         try:
-            info = w.client.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=2.0)
-            listed = w.client.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=2.0)
-        except grpc.RpcError as exc:
-            if exc.code() in _RETRYABLE or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                w.down_until = now + self.down_s
-            w.seen_at = now
+            info = w.client.stub.GetWorkerInfo.future(
+                worker_pb2.GetWorkerInfoRequest(), timeout=self.refresh_timeout_s
+            )
+            listed = w.client.stub.ListAdapters.future(
+                worker_pb2.ListWorkerAdaptersRequest(), timeout=self.refresh_timeout_s
+            )
+        except BaseException:  # (a closed channel)
+            with self._lock:
+                w.refreshing = False
+            raise
+        taken = False
+
+        def done(_: object) -> None:
+            nonlocal taken
+            with self._lock:
+                if taken or not (info.done() and listed.done()):
+                    return
+                taken = True
+                self._refreshed_view(w, started, downs, info, listed)
+                self._refreshed.notify_all()
+
+        info.add_done_callback(done)
+        listed.add_done_callback(done)
+
+    def _refreshed_view(
+        self,
+        w: WorkerView,
+        started: float,
+        downs: int,
+        info: grpc.Future,
+        listed: grpc.Future,
+    ) -> None:
+        """The answers of the refresh of `w` that started at `started` (under the lock)."""
+        w.refreshing, w.seen_at = False, started
+        try:
+            got_info, got_listed = info.result(), listed.result()
+        except grpc.FutureCancelledError:
             return
-        w.load = info.num_running + info.num_waiting
-        w.max_loras = info.max_loras
-        w.gpu = {a.adapter_id for a in listed.adapters if a.tier == worker_pb2.ADAPTER_TIER_GPU}
-        w.cpu = {a.adapter_id for a in listed.adapters if a.tier == worker_pb2.ADAPTER_TIER_CPU}
-        w.seen_at = now
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in _UNANSWERED:
+                self._went_down(w)
+            elif code != grpc.StatusCode.CANCELLED and w.downs == downs:  # it answered, if with an error
+                w.down = False
+            return
+        w.load = got_info.num_running + got_info.num_waiting
+        w.max_loras = got_info.max_loras
+        adapters = got_listed.adapters
+        w.gpu = {a.adapter_id for a in adapters if a.tier == worker_pb2.ADAPTER_TIER_GPU}
+        w.cpu = {a.adapter_id for a in adapters if a.tier == worker_pb2.ADAPTER_TIER_CPU}
+        if w.downs == downs:
+            w.down = False
+
+    def _went_down(self, w: WorkerView) -> None:
+        w.down_until, w.down = self._clock() + self.down_s, True
+        w.downs += 1
 
     def candidates(self, adapter_id: str = "") -> list[WorkerView]:
         """Live workers in the order this request should try them."""
         now = self._clock()
         with self._lock:
-            for w in self.workers:
-                if now - w.seen_at >= self.refresh_s and now >= w.down_until:
-                    self._refresh(w, now)
-            live = [w for w in self.workers if now >= w.down_until] or list(self.workers)
+            due = [
+                (w, w.downs)
+                for w in self.workers
+                if not w.refreshing and now >= w.down_until and (w.down or now - w.seen_at >= self.refresh_s)
+            ]
+            for w, _ in due:
+                w.refreshing = True
+        for w, downs in due:
+            self._refresh(w, now, downs)
+        with self._lock:
+            # the first decision waits for the first views: each refresh ends by its deadline (the
+            # second is a margin for gRPC to report it)
+            self._refreshed.wait_for(
+                lambda: not any(w.refreshing and w.seen_at == float("-inf") for w in self.workers),
+                timeout=self.refresh_timeout_s + 1.0,
+            )
+            now = self._clock()
+            live = [w for w in self.workers if now >= w.down_until and not w.down] or list(self.workers)
         return order_workers(adapter_id, live, self.max_imbalance)
 
     def pick(self, adapter_id: str = "") -> str:
@@ -161,7 +255,7 @@ class WorkerRouter:
 
     def mark_down(self, w: WorkerView) -> None:
         with self._lock:
-            w.down_until = self._clock() + self.down_s
+            self._went_down(w)
 
     @contextmanager
     def routed(self, w: WorkerView) -> Iterator[None]:
@@ -212,6 +306,9 @@ class WorkerRouter:
                         started = True
                         yield delta
             except grpc.RpcError as exc:
+                if isinstance(exc, FirstMessageTimeout):  # hung, or queueing that long: not now
+                    self.mark_down(w)
+                    raise
                 if started or exc.code() not in _RETRYABLE:
                     raise
                 self.mark_down(w)

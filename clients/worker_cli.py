@@ -146,7 +146,13 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--token", default=os.environ.get("LORASERVE_GENERATE_TOKEN"), help="bearer token")
     add_tls_args(p)
     add_json_arg(p)
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="deadline of the whole generation in seconds (default: 600 s; --stream: none, but the "
+        "first tokens must come within 60 s)",
+    )
     p.add_argument("--usage", action="store_true", help="print token counts and timings at the end")
     args = p.parse_args(list(argv or []))
     messages = _messages(args, p)

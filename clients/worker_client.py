@@ -11,10 +11,20 @@
             print(c.index, c.text, [lp.logprob for lp in c.logprobs])
 
 Failures surface as `grpc.RpcError` with the server's status code and message.
+
+Deadlines: `timeout` (the client's, or a call's own) bounds a whole call, a stream's included.
+Without one a unary call gets DEFAULT_TIMEOUT_S, and a stream none, so a long generation runs to
+its end; but a stream's first message must come within `first_message_timeout`
+(FIRST_MESSAGE_TIMEOUT_S; None: no bound), else the call is cancelled and FirstMessageTimeout
+(DEADLINE_EXCEEDED) raised: a worker that accepts the call and never answers holds no caller for
+good. The channel's keepalive (`channel.Keepalive`; None: off) ends any call to a peer that is
+gone, a stream in mid-generation too, within its interval and timeout (UNAVAILABLE).
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +32,10 @@ from typing import Any
 import grpc
 
 from loraserve.clients.channel import (
+    KEEPALIVE,
     AsyncChannelClient,
     ChannelClient,
+    Keepalive,
     bearer_metadata,
     open_aio_channel,
     open_channel,
@@ -39,6 +51,50 @@ FINISH_REASONS = {
     worker_pb2.FINISH_REASON_CANCELLED: "cancelled",
 }
 TIERS = {"gpu": worker_pb2.ADAPTER_TIER_GPU, "cpu": worker_pb2.ADAPTER_TIER_CPU}
+DEFAULT_TIMEOUT_S = 600.0  # a unary call's deadline when none is given (a long Generate fits)
+FIRST_MESSAGE_TIMEOUT_S = 60.0  # a stream's wait for its first message: queue, adapter load, prefill
+
+
+class FirstMessageTimeout(grpc.RpcError):
+    """DEADLINE_EXCEEDED: a stream's first message did not come within `seconds` (the worker holds
+    the call and does not answer, or queued it that long); the call was cancelled."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no message within {seconds:g} s of the stream's start")
+        self.seconds = seconds
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return str(self)
+
+
+class _FirstMessageWatch:
+    """Cancels a sync stream whose first message has not come within `seconds` (None: never)."""
+
+    def __init__(self, call: grpc.Call, seconds: float | None) -> None:
+        self.seconds, self.expired, self._call = seconds, False, call
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        if seconds is not None:
+            self._timer = threading.Timer(seconds, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._timer is None:  # the first message came first
+                return
+            self.expired = True
+        self._call.cancel()
+
+    def end(self) -> None:
+        """The first message came (or the stream ended): no cancel from here on."""
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
 
 
 @dataclass(frozen=True)
@@ -212,8 +268,8 @@ def _delta(r: worker_pb2.GenerateStreamResponse) -> Delta:
 
 
 class _Base:
-    """What both clients share: the channel (sync or grpc.aio, opened by the subclass's `_open`),
-    the stub, the call timeout and the bearer tokens of generation and admin calls."""
+    """What both clients share: the channel (sync or grpc.aio, opened by the subclass's `_open`)
+    with its keepalive, the stub, the deadlines and the bearer tokens of generation and admin calls."""
 
     channel: Any
     stub: Any
@@ -227,20 +283,30 @@ class _Base:
         admin_token: str | None = None,
         tls_ca: str | None = None,
         timeout: float | None = None,
+        first_message_timeout: float | None = FIRST_MESSAGE_TIMEOUT_S,
+        keepalive: Keepalive | None = KEEPALIVE,
         interceptors: Sequence[Any] = (),
         tls: bool = False,
         own_connection: bool = False,
     ) -> None:
         self._token, self._admin_token, self.timeout = token, admin_token, timeout
+        self.first_message_timeout = first_message_timeout
         # interceptors: grpc.aio client interceptors (the asyncio client only), e.g. trace propagation
         extra: dict[str, Any] = {"interceptors": interceptors} if interceptors else {}
+        options = keepalive.options() if keepalive is not None else []
         if own_connection:  # not shared with this process's other channels to the same address
-            extra["options"] = [("grpc.use_local_subchannel_pool", 1)]
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        if options:
+            extra["options"] = options
         self.channel = self._open(address, tls=tls, root_certificates=tls_ca, **extra)
         self.stub = worker_pb2_grpc.InferenceWorkerStub(self.channel)
 
     def _md(self, admin: bool = False) -> tuple[tuple[str, str], ...] | None:
         return bearer_metadata(self._admin_token if admin else self._token)
+
+    def _unary(self, timeout: float | None = None) -> float:
+        """A unary call's deadline: its own, else the client's, else DEFAULT_TIMEOUT_S."""
+        return timeout or self.timeout or DEFAULT_TIMEOUT_S
 
 
 class WorkerClient(_Base, ChannelClient):
@@ -251,9 +317,7 @@ class WorkerClient(_Base, ChannelClient):
     def generate(
         self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
     ) -> Generation:
-        r = self.stub.Generate(
-            build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
-        )
+        r = self.stub.Generate(build_request(prompt, **kw), metadata=self._md(), timeout=self._unary(timeout))
         return _generation(r)
 
     def generate_stream(
@@ -262,39 +326,46 @@ class WorkerClient(_Base, ChannelClient):
         call = self.stub.GenerateStream(
             build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
         )
+        watch = _FirstMessageWatch(call, self.first_message_timeout)
         try:
             for r in call:
+                watch.end()
                 yield _delta(r)
+        except grpc.RpcError:
+            if watch.expired:
+                raise FirstMessageTimeout(watch.seconds or 0.0) from None
+            raise
         finally:
+            watch.end()
             call.cancel()
 
     def info(self) -> worker_pb2.WorkerInfo:
-        return self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout)
+        return self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self._unary())
 
     def load_adapter(self, adapter_id: str, tier: str = "gpu") -> worker_pb2.WorkerAdapter:
         return self.stub.LoadAdapter(
             worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, tier=TIERS[tier]),
             metadata=self._md(admin=True),
-            timeout=self.timeout,
+            timeout=self._unary(),
         ).adapter
 
     def unload_adapter(self, adapter_id: str) -> bool:
         return self.stub.UnloadAdapter(
             worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id),
             metadata=self._md(admin=True),
-            timeout=self.timeout,
+            timeout=self._unary(),
         ).unloaded
 
     def pin_adapter(self, adapter_id: str, pinned: bool = True) -> worker_pb2.WorkerAdapter:
         return self.stub.PinAdapter(
             worker_pb2.PinAdapterRequest(adapter_id=adapter_id, pinned=pinned),
             metadata=self._md(admin=True),
-            timeout=self.timeout,
+            timeout=self._unary(),
         ).adapter
 
     def list_adapters(self) -> list[worker_pb2.WorkerAdapter]:
         return list(
-            self.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=self.timeout).adapters
+            self.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=self._unary()).adapters
         )
 
 
@@ -307,7 +378,7 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
         self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
     ) -> Generation:
         r = await self.stub.Generate(
-            build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
+            build_request(prompt, **kw), metadata=self._md(), timeout=self._unary(timeout)
         )
         return _generation(r)
 
@@ -315,7 +386,8 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
         self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
     ) -> grpc.aio.UnaryStreamCall:
         """The GenerateStream call itself: its GenerateStreamResponse messages as they come (`async
-        for`), for a caller that reads them raw (the load generator); it cancels the call when done."""
+        for`), for a caller that reads them raw (the load generator); it cancels the call when done.
+        Its first message has no bound of its own: only `timeout` (and the keepalive) end it."""
         return self.stub.GenerateStream(
             build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
         )
@@ -324,20 +396,28 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
         self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
     ) -> AsyncIterator[Delta]:
         call = self.open_stream(prompt, timeout=timeout, **kw)
+        messages = call.__aiter__()
         try:
-            async for r in call:
+            try:
+                first = await asyncio.wait_for(messages.__anext__(), self.first_message_timeout)
+            except asyncio.TimeoutError:
+                raise FirstMessageTimeout(self.first_message_timeout or 0.0) from None
+            except StopAsyncIteration:
+                return
+            yield _delta(first)
+            async for r in messages:
                 yield _delta(r)
         finally:
             call.cancel()
 
     async def info(self) -> worker_pb2.WorkerInfo:
-        return await self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self.timeout)
+        return await self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self._unary())
 
     async def load_adapter(self, adapter_id: str, tier: str = "gpu") -> worker_pb2.WorkerAdapter:
         r = await self.stub.LoadAdapter(
             worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, tier=TIERS[tier]),
             metadata=self._md(admin=True),
-            timeout=self.timeout,
+            timeout=self._unary(),
         )
         return r.adapter
 
@@ -345,7 +425,7 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
         r = await self.stub.UnloadAdapter(
             worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id),
             metadata=self._md(admin=True),
-            timeout=self.timeout,
+            timeout=self._unary(),
         )
         return r.unloaded
 
@@ -353,12 +433,12 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
         r = await self.stub.PinAdapter(
             worker_pb2.PinAdapterRequest(adapter_id=adapter_id, pinned=pinned),
             metadata=self._md(admin=True),
-            timeout=self.timeout,
+            timeout=self._unary(),
         )
         return r.adapter
 
     async def list_adapters(self) -> list[worker_pb2.WorkerAdapter]:
-        r = await self.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=self.timeout)
+        r = await self.stub.ListAdapters(worker_pb2.ListWorkerAdaptersRequest(), timeout=self._unary())
         return list(r.adapters)
 
 

@@ -62,6 +62,17 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
+# What the servers accept of a client's HTTP/2 keepalive pings (clients.channel.Keepalive): one a
+# second per connection, with or without calls running. gRPC's defaults (one per 5 minutes, none
+# while no call runs) take a keepalive client's pings for abuse and answer the third with GOAWAY
+# (too_many_pings), which fails a stream still waiting for its first token with UNAVAILABLE.
+MIN_PING_INTERVAL_S = 1.0
+KEEPALIVE_POLICY: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", round(MIN_PING_INTERVAL_S * 1000)),
+)
+
+
 def grpc_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     options: Sequence[tuple[str, Any]] = (),
@@ -69,9 +80,11 @@ def grpc_server(
 ) -> grpc.aio.Server:
     """A grpc.aio server that cannot share its port with another process, unless `share_port`:
     then the processes of one group (a worker's front processes) all bind it, SO_REUSEPORT on,
-    and the kernel spreads the clients' connections over them."""
+    and the kernel spreads the clients' connections over them. It accepts the clients' keepalive
+    pings (KEEPALIVE_POLICY)."""
     return grpc.aio.server(
-        interceptors=list(interceptors), options=[*options, ("grpc.so_reuseport", int(share_port))]
+        interceptors=list(interceptors),
+        options=[*options, *KEEPALIVE_POLICY, ("grpc.so_reuseport", int(share_port))],
     )
 
 

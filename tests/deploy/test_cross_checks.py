@@ -1,7 +1,7 @@
 """What the schemas cannot see in deploy/kubernetes: every flag and LORASERVE_* variable is one the
 command reads and its config accepts, addresses name Services that exist, Services, container ports,
 probes and the commands' --port agree, the termination grace covers the drain, one GPU per worker,
-secret keys exist, volumes and claims resolve."""
+secret keys exist, volumes and claims resolve, Redis keeps the registry on a claim."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from loraserve.inference_worker.config import WorkerConfig
 from loraserve.v1 import store_pb2, worker_pb2
 from tests.helpers.cli_env import UnknownCommand, cli_flags, env_problems, flags_used
 from tests.helpers.kustomize import read_env_file
+from tests.helpers.redis_options import DURABLE, redis_server_options
 
 GRPC_SERVICE = {
     "store": store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name,
@@ -271,6 +272,20 @@ def test_store_state_is_on_writable_claims(rendered: list[dict]) -> None:
     assert claim_of[store.data_dir] != claim_of[str(tier)]
     size = claims[claim_of[str(tier)]]["spec"]["resources"]["requests"]["storage"]
     assert size.endswith("Gi") and store.cache_dir_max_bytes < int(size[:-2]) << 30
+
+
+def test_redis_keeps_the_registry_on_a_claim(rendered: list[dict]) -> None:
+    """The registry lives in Redis alone: its append-only file, fsynced every second, is in a
+    directory on a claim of its pod's own (a StatefulSet's template), which outlives the pod."""
+    workload, container = _component(rendered, "redis")
+    assert workload["kind"] == "StatefulSet" and "command" not in container
+    options = redis_server_options(container["args"])
+    assert {name: options.get(name) for name in DURABLE} == DURABLE
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == options["dir"]]
+    assert not mount.get("readOnly")
+    (claim,) = [t for t in workload["spec"]["volumeClaimTemplates"] if t["metadata"]["name"] == mount["name"]]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"].endswith("Gi")
 
 
 def test_images_are_this_release(rendered: list[dict]) -> None:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.helpers.ports import free_port
@@ -15,8 +16,12 @@ from tests.helpers.ports import free_port
 class PrivateRedis:
     """A real redis-server of our own, so that it can be stopped without touching anyone else's."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self, directory: Path, options: Sequence[str] = ("--save", "", "--appendonly", "yes")
+    ) -> None:
+        """`options`: redis-server's, but --port, --bind and --dir (this server's own)."""
         self.port, self.dir, self.proc = free_port(), directory, None
+        self.options = list(options)
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
@@ -27,10 +32,7 @@ class PrivateRedis:
                 str(self.port),
                 "--bind",
                 "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
+                *self.options,
                 "--dir",
                 str(self.dir),
             ],
