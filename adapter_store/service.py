@@ -169,12 +169,15 @@ class AdapterService:
             rank_pattern=a.rank_pattern,
             alpha_pattern=a.alpha_pattern,
         )
+        generation = self.cache.generation()  # a delete after the put below makes it stale
         await asyncio.to_thread(self.registry.put, record, overwrite)
-        self.cache.put(adapter_id, o, record)
+        current = self.cache.put(adapter_id, o, record, generation)
         self._cache_gauges()
         if self.tier is not None:
-            # on disk before the reply (a failing disk only logs), then older versions go
-            await self.tier.put(record, o)
+            # on disk before the reply (a failing disk only logs) unless deleted or registered
+            # anew meanwhile, then older versions go
+            if current:
+                await self.tier.put(record, o)
             self.tier.discard(adapter_id, keep_digest=o.digest)
         log.info(
             "registered adapter %s from %s (rank %d, %d bytes, digest %s)",
@@ -236,6 +239,7 @@ class AdapterService:
         tier (still being read: see `OpenedFetch.filling`), else rebuilt from the source."""
         self._check_serving()
         start = time.perf_counter()
+        generation = self.cache.generation()  # what is read from here on is put with it
         try:
             record = await self.get(adapter_id)
         except Unavailable:
@@ -268,7 +272,9 @@ class AdapterService:
             if reading is not None:
                 (optimized, filling), origin = reading, "disk"
             else:
-                optimized, origin, filling = await self.flight.do(("load", *key), lambda: self._load(record))
+                optimized, origin, filling = await self.flight.do(
+                    ("load", *key), lambda: self._load(record, generation)
+                )
         note(origin=origin)
         tracing.annotate({"loraserve.store.origin": origin})
         self.metrics.fetch_open_seconds.labels(origin).observe(time.perf_counter() - start)
@@ -277,9 +283,12 @@ class AdapterService:
         self.metrics.fetches.inc()
         return OpenedFetch(record, optimized, filling)
 
-    async def _load(self, record: AdapterRecord) -> tuple[OptimizedAdapter, str, Filling | None]:
+    async def _load(
+        self, record: AdapterRecord, generation: int
+    ) -> tuple[OptimizedAdapter, str, Filling | None]:
         """The payload of `record` from the disk tier (opened, and read into the CPU cache meanwhile),
-        else rebuilt from its source and put in the CPU cache; -> (payload, origin, filling)."""
+        else rebuilt from its source and put in the CPU cache (and the disk tier) unless the adapter
+        changed since `generation` (AdapterCache.put); -> (payload, origin, filling)."""
         if self.tier is not None:
             with tracing.span("store.disk_open", {"loraserve.adapter.id": record.adapter_id}):
                 reader = await asyncio.to_thread(self.tier.open, record)
@@ -287,18 +296,19 @@ class AdapterService:
                 filling = Filling(reader.total_bytes, self.config.chunk_bytes)
                 key = (record.adapter_id, record.digest)
                 self._reading[key] = (reader.adapter, filling)
-                task = asyncio.ensure_future(self._fill(record, reader, filling))
+                task = asyncio.ensure_future(self._fill(record, reader, filling, generation))
                 self._fills.add(task)
                 task.add_done_callback(self._fills.discard)
                 return reader.adapter, "disk", filling
         optimized = await self._rebuild(record)
-        if self.tier is not None:
+        if self.cache.put(record.adapter_id, optimized, record, generation) and self.tier is not None:
             self.tier.put_soon(record, optimized)  # not awaited: the fetch streams meanwhile
-        self.cache.put(record.adapter_id, optimized, record)
         self._cache_gauges()
         return optimized, "source", None
 
-    async def _fill(self, record: AdapterRecord, reader: PayloadReader, filling: Filling) -> None:
+    async def _fill(
+        self, record: AdapterRecord, reader: PayloadReader, filling: Filling, generation: int
+    ) -> None:
         """Read the opened file's payload; checked, it joins the CPU cache, else the fetches that
         followed the read fail (PayloadDamaged: fetch again; Unavailable: resume; anything else is
         a bug, INTERNAL). Whatever happens, the fetches waiting on `filling` are released."""
@@ -322,7 +332,7 @@ class AdapterService:
             error = exc if isinstance(exc, Exception) else Unavailable("the store is stopping")
             raise
         else:
-            self.cache.put(record.adapter_id, reader.adapter, record)
+            self.cache.put(record.adapter_id, reader.adapter, record, generation)
             self._cache_gauges()
         finally:
             reader.close()  # closed by the read already, unless it never ran
