@@ -150,8 +150,13 @@ class AdapterService:
 
     async def _register(self, adapter_id: str, source: str, overwrite: bool) -> AdapterRecord:
         src = await asyncio.to_thread(self.resolver.resolve, source)  # filesystem / boto3 client set-up
-        if not overwrite and await asyncio.to_thread(self.registry.get, adapter_id) is not None:
-            raise AlreadyExists(f"adapter {adapter_id!r} already exists (set overwrite to replace it)")
+        if not overwrite:
+            existing = await asyncio.to_thread(self.registry.get, adapter_id)
+            if existing is not None and existing.source != src.uri:  # refused before the build
+                raise AlreadyExists(
+                    f"adapter {adapter_id!r} already exists, registered from {existing.source!r} "
+                    "(set overwrite to replace it)"
+                )
         a, o = await asyncio.to_thread(self._build, src, "register")
         record = AdapterRecord(
             adapter_id=adapter_id,
@@ -170,7 +175,13 @@ class AdapterService:
             alpha_pattern=a.alpha_pattern,
         )
         generation = self.cache.generation()  # a delete after the put below makes it stale
-        await asyncio.to_thread(self.registry.put, record, overwrite)
+        try:
+            await asyncio.to_thread(self.registry.put, record, overwrite)
+        except AlreadyExists:
+            existing = await asyncio.to_thread(self.registry.get, adapter_id)
+            if existing is None:  # deleted since: the client may register again
+                raise
+            return self._registered_already(existing, record)
         current = self.cache.put(adapter_id, o, record, generation)
         self._cache_gauges()
         if self.tier is not None:
@@ -188,6 +199,32 @@ class AdapterService:
             o.digest[:12],
         )
         return record
+
+    def _registered_already(self, existing: AdapterRecord, record: AdapterRecord) -> AdapterRecord:
+        """`existing` when `record`, just built, registers the same (source, digest and every other
+        field but the time): the request was sent again, as a client does when a reply is lost, so
+        it answers as the first did; else AlreadyExists naming what differs."""
+        adapter_id = record.adapter_id
+        if existing.source != record.source:
+            raise AlreadyExists(
+                f"adapter {adapter_id!r} already exists, registered from {existing.source!r} "
+                "(set overwrite to replace it)"
+            )
+        if existing.digest != record.digest:
+            raise AlreadyExists(
+                f"adapter {adapter_id!r} already exists: {record.source} now optimizes to digest "
+                f"{record.digest}, not the registered digest {existing.digest} (set overwrite to "
+                "replace it)"
+            )
+        differ = existing.differences(record)
+        if differ:
+            changes = ", ".join(f"{k} {getattr(record, k)!r}, not {getattr(existing, k)!r}" for k in differ)
+            raise AlreadyExists(
+                f"adapter {adapter_id!r} already exists: {record.source} now reads as {changes} "
+                "(set overwrite to replace it)"
+            )
+        log.info("adapter %s was registered from %s already: answered its record", adapter_id, record.source)
+        return existing
 
     async def get(self, adapter_id: str) -> AdapterRecord:
         check_adapter_id(adapter_id)
