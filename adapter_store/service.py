@@ -87,7 +87,9 @@ class AdapterService:
         tier_dir = config.payload_cache_dir
         self.tier = DiskTier(tier_dir, config.cache_dir_max_bytes, self.metrics) if tier_dir else None
         base_name = config.expected_base_model_name(base_config) if config.check_base_model else None
-        self.limits = Limits(max_lora_rank=config.max_lora_rank, base_model_name=base_name)
+        self.limits = Limits(
+            max_lora_rank=config.max_lora_rank, base_model_name=base_name, serving_dtype=config.serving_dtype
+        )
         self.draining = False
         self._pending_registrations = 0
 
