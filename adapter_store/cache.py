@@ -4,6 +4,11 @@ An adapter larger than the byte budget is never cached (it is rebuilt from its s
 Entries carry their digest, so a re-registered adapter never serves a stale payload, and the
 registry record they were last served under, so cached adapters keep streaming while the registry
 is unreachable.
+
+A put says when its record was read from the registry: `generation()`, taken before the read. It is
+refused when the adapter was dropped (deleted) or put again (registered anew, or put from a later
+read) since then, so a fetch or registration that read a record before a delete or a re-registration
+never puts that record's payload back after it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ from collections.abc import Callable
 
 from loraserve.adapter_store.optimize import OptimizedAdapter
 from loraserve.adapter_store.registry import AdapterRecord
+
+# adapter ids whose last drop or put is remembered; a put read before the oldest forgotten change
+# is refused whatever its id (a cache miss later, never a stale payload)
+MAX_CHANGES = 16_384
 
 
 class AdapterCache:
@@ -27,8 +36,17 @@ class AdapterCache:
         # adapter id -> (last known record, payload), least recently used first
         self._entries: OrderedDict[str, tuple[AdapterRecord, OptimizedAdapter]] = OrderedDict()
         self._bytes = 0
+        # adapter id -> the clock at its last drop or put, least recent first; the clock counts them
+        self._changes: OrderedDict[str, int] = OrderedDict()
+        self._clock = 0
+        self._floor = 0  # the clock of the latest change forgotten
         self._lock = threading.Lock()
         self._on_evict = on_evict
+
+    def generation(self) -> int:
+        """The clock now: take it before reading the registry record whose payload is put later."""
+        with self._lock:
+            return self._clock
 
     def get(
         self, adapter_id: str, digest: str, record: AdapterRecord | None = None
@@ -54,13 +72,19 @@ class AdapterCache:
             entry = self._entries.get(adapter_id)
             return None if entry is None else entry[0]
 
-    def put(self, adapter_id: str, adapter: OptimizedAdapter, record: AdapterRecord) -> None:
-        """Cache the payload of `record` (record.digest == adapter.digest)."""
+    def put(self, adapter_id: str, adapter: OptimizedAdapter, record: AdapterRecord, generation: int) -> bool:
+        """Cache the payload of `record` (record.digest == adapter.digest), read from the registry
+        after `generation()` answered `generation`; False (nothing cached) when the adapter was
+        dropped or put since, for `record` may be deleted or replaced by now. True otherwise, also
+        for a payload over the byte budget, which is not cached."""
         evicted: list[tuple[str, OptimizedAdapter]] = []
         with self._lock:
+            if generation < self._changes.get(adapter_id, self._floor):
+                return False
+            self._changed(adapter_id)
             self._remove(adapter_id)
             if adapter.total_bytes > self.max_bytes:
-                return
+                return True
             self._entries[adapter_id] = (record, adapter)
             self._bytes += adapter.total_bytes
             while len(self._entries) > self.max_adapters or self._bytes > self.max_bytes:
@@ -70,10 +94,20 @@ class AdapterCache:
         if self._on_evict:
             for victim, old in evicted:
                 self._on_evict(victim, old)
+        return True
 
     def drop(self, adapter_id: str) -> None:
+        """Remove the adapter's payload, and refuse puts of records read before now."""
         with self._lock:
+            self._changed(adapter_id)
             self._remove(adapter_id)
+
+    def _changed(self, adapter_id: str) -> None:
+        self._clock += 1
+        self._changes[adapter_id] = self._clock
+        self._changes.move_to_end(adapter_id)
+        if len(self._changes) > MAX_CHANGES:
+            _, self._floor = self._changes.popitem(last=False)
 
     def _remove(self, adapter_id: str) -> None:
         old = self._entries.pop(adapter_id, None)

@@ -26,7 +26,7 @@ class NotFound(StoreError):
 
 
 class AlreadyExists(StoreError):
-    """Adapter id taken and overwrite not requested."""
+    """Adapter id taken by another registration (another source or record) and overwrite not requested."""
 
     code = "ALREADY_EXISTS"
 

@@ -44,6 +44,11 @@ class AdapterRecord:
     def from_json(cls, text: str | bytes) -> AdapterRecord:
         return cls(**json.loads(text))
 
+    def differences(self, other: AdapterRecord) -> list[str]:
+        """The fields in which `other` differs, but created_at (when each was made)."""
+        mine, theirs = asdict(self), asdict(other)
+        return [k for k in mine if k != "created_at" and mine[k] != theirs[k]]
+
 
 class Registry(Protocol):
     def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:

@@ -94,7 +94,9 @@ class AdapterService:
             else None
         )
         base_name = config.expected_base_model_name(base_config) if config.check_base_model else None
-        self.limits = Limits(max_lora_rank=config.max_lora_rank, base_model_name=base_name)
+        self.limits = Limits(
+            max_lora_rank=config.max_lora_rank, base_model_name=base_name, serving_dtype=config.serving_dtype
+        )
         self.draining = False
         self._pending_registrations = 0
 
@@ -160,8 +162,13 @@ class AdapterService:
 
     async def _register(self, adapter_id: str, source: str, overwrite: bool) -> AdapterRecord:
         src = await asyncio.to_thread(self.resolver.resolve, source)  # filesystem / boto3 client set-up
-        if not overwrite and await asyncio.to_thread(self.registry.get, adapter_id) is not None:
-            raise AlreadyExists(f"adapter {adapter_id!r} already exists (set overwrite to replace it)")
+        if not overwrite:
+            existing = await asyncio.to_thread(self.registry.get, adapter_id)
+            if existing is not None and existing.source != src.uri:  # refused before the build
+                raise AlreadyExists(
+                    f"adapter {adapter_id!r} already exists, registered from {existing.source!r} "
+                    "(set overwrite to replace it)"
+                )
         a, o = await asyncio.to_thread(self._build, src, "register")
         record = AdapterRecord(
             adapter_id=adapter_id,
@@ -179,14 +186,23 @@ class AdapterService:
             rank_pattern=a.rank_pattern,
             alpha_pattern=a.alpha_pattern,
         )
-        await asyncio.to_thread(self.registry.put, record, overwrite)
-        self.cache.put(adapter_id, o, record)
+        generation = self.cache.generation()  # a delete after the put below makes it stale
+        try:
+            await asyncio.to_thread(self.registry.put, record, overwrite)
+        except AlreadyExists:
+            existing = await asyncio.to_thread(self.registry.get, adapter_id)
+            if existing is None:  # deleted since: the client may register again
+                raise
+            return self._registered_already(existing, record)
+        current = self.cache.put(adapter_id, o, record, generation)
         self._cache_gauges()
         if self.tier is not None:
-            # on disk before the reply (a failing disk only logs), then older versions go
-            await self.tier.put(record, o)
+            # on disk before the reply (a failing disk only logs) unless deleted or registered
+            # anew meanwhile, then older versions go
+            if current:
+                await self.tier.put(record, o)
             self.tier.discard(adapter_id, keep_digest=o.digest)
-        if self.handover is not None:  # while the payload is at hand: workers' first fetches find it
+        if self.handover is not None and current:  # at hand now: workers' first fetches find it
             self.handover.offer_soon(o)
         log.info(
             "registered adapter %s from %s (rank %d, %d bytes, digest %s)",
@@ -197,6 +213,32 @@ class AdapterService:
             o.digest[:12],
         )
         return record
+
+    def _registered_already(self, existing: AdapterRecord, record: AdapterRecord) -> AdapterRecord:
+        """`existing` when `record`, just built, registers the same (source, digest and every other
+        field but the time): the request was sent again, as a client does when a reply is lost, so
+        it answers as the first did; else AlreadyExists naming what differs."""
+        adapter_id = record.adapter_id
+        if existing.source != record.source:
+            raise AlreadyExists(
+                f"adapter {adapter_id!r} already exists, registered from {existing.source!r} "
+                "(set overwrite to replace it)"
+            )
+        if existing.digest != record.digest:
+            raise AlreadyExists(
+                f"adapter {adapter_id!r} already exists: {record.source} now optimizes to digest "
+                f"{record.digest}, not the registered digest {existing.digest} (set overwrite to "
+                "replace it)"
+            )
+        differ = existing.differences(record)
+        if differ:
+            changes = ", ".join(f"{k} {getattr(record, k)!r}, not {getattr(existing, k)!r}" for k in differ)
+            raise AlreadyExists(
+                f"adapter {adapter_id!r} already exists: {record.source} now reads as {changes} "
+                "(set overwrite to replace it)"
+            )
+        log.info("adapter %s was registered from %s already: answered its record", adapter_id, record.source)
+        return existing
 
     async def get(self, adapter_id: str) -> AdapterRecord:
         check_adapter_id(adapter_id)
@@ -245,9 +287,11 @@ class AdapterService:
         log.info("deleted adapter %s", adapter_id)
         return record
 
-    async def fetch_record(self, adapter_id: str, digest: str) -> AdapterRecord:
-        """The record a fetch of `adapter_id` serves (FAILED_PRECONDITION when it is not `digest`)."""
+    async def fetch_record(self, adapter_id: str, digest: str) -> tuple[AdapterRecord, int]:
+        """The record a fetch of `adapter_id` serves (FAILED_PRECONDITION when it is not `digest`),
+        and the CPU cache's generation read before it (AdapterCache.put)."""
         self._check_serving()
+        generation = self.cache.generation()  # what is read from here on is put with it
         try:
             record = await self.get(adapter_id)
         except Unavailable:
@@ -265,17 +309,16 @@ class AdapterService:
                 f"adapter {adapter_id!r} has digest {record.digest}, not the requested "
                 f"{digest} (it was re-registered)"
             )
-        return record
+        return record, generation
 
     async def open_fetch(
-        self, adapter_id: str, offset: int, digest: str, record: AdapterRecord | None = None
+        self, adapter_id: str, offset: int, digest: str, looked_up: tuple[AdapterRecord, int] | None = None
     ) -> OpenedFetch:
-        """The record (`record`, else looked up) and optimized payload to stream from `offset`: from
-        the CPU cache, else the disk tier (still being read: see `OpenedFetch.filling`), else rebuilt
-        from the source."""
+        """The record (`looked_up` by fetch_record, else looked up now) and optimized payload to
+        stream from `offset`: from the CPU cache, else the disk tier (still being read: see
+        `OpenedFetch.filling`), else rebuilt from the source."""
         start = time.perf_counter()
-        if record is None:
-            record = await self.fetch_record(adapter_id, digest)
+        record, generation = looked_up or await self.fetch_record(adapter_id, digest)
         self._check_serving()
         cached = self.cache.get(adapter_id, record.digest, record)
         cache = "hit" if cached is not None else "miss"
@@ -292,7 +335,9 @@ class AdapterService:
             if reading is not None:
                 (optimized, filling), origin = reading, "disk"
             else:
-                optimized, origin, filling = await self.flight.do(("load", *key), lambda: self._load(record))
+                optimized, origin, filling = await self.flight.do(
+                    ("load", *key), lambda: self._load(record, generation)
+                )
         note(origin=origin)
         tracing.annotate({"loraserve.store.origin": origin})
         self.metrics.fetch_open_seconds.labels(origin).observe(time.perf_counter() - start)
@@ -307,9 +352,12 @@ class AdapterService:
         tracing.annotate({"loraserve.store.origin": "handover"})
         self.metrics.fetches.inc()
 
-    async def _load(self, record: AdapterRecord) -> tuple[OptimizedAdapter, str, Filling | None]:
+    async def _load(
+        self, record: AdapterRecord, generation: int
+    ) -> tuple[OptimizedAdapter, str, Filling | None]:
         """The payload of `record` from the disk tier (opened, and read into the CPU cache meanwhile),
-        else rebuilt from its source and put in the CPU cache; -> (payload, origin, filling)."""
+        else rebuilt from its source and put in the CPU cache (and the disk tier) unless the adapter
+        changed since `generation` (AdapterCache.put); -> (payload, origin, filling)."""
         if self.tier is not None:
             with tracing.span("store.disk_open", {"loraserve.adapter.id": record.adapter_id}):
                 reader = await asyncio.to_thread(self.tier.open, record)
@@ -317,18 +365,19 @@ class AdapterService:
                 filling = Filling(reader.total_bytes, self.config.chunk_bytes)
                 key = (record.adapter_id, record.digest)
                 self._reading[key] = (reader.adapter, filling)
-                task = asyncio.ensure_future(self._fill(record, reader, filling))
+                task = asyncio.ensure_future(self._fill(record, reader, filling, generation))
                 self._fills.add(task)
                 task.add_done_callback(self._fills.discard)
                 return reader.adapter, "disk", filling
         optimized = await self._rebuild(record)
-        if self.tier is not None:
+        if self.cache.put(record.adapter_id, optimized, record, generation) and self.tier is not None:
             self.tier.put_soon(record, optimized)  # not awaited: the fetch streams meanwhile
-        self.cache.put(record.adapter_id, optimized, record)
         self._cache_gauges()
         return optimized, "source", None
 
-    async def _fill(self, record: AdapterRecord, reader: PayloadReader, filling: Filling) -> None:
+    async def _fill(
+        self, record: AdapterRecord, reader: PayloadReader, filling: Filling, generation: int
+    ) -> None:
         """Read the opened file's payload; checked, it joins the CPU cache, else the fetches that
         followed the read fail (PayloadDamaged: fetch again; Unavailable: resume; anything else is
         a bug, INTERNAL). Whatever happens, the fetches waiting on `filling` are released."""
@@ -352,7 +401,7 @@ class AdapterService:
             error = exc if isinstance(exc, Exception) else Unavailable("the store is stopping")
             raise
         else:
-            self.cache.put(record.adapter_id, reader.adapter, record)
+            self.cache.put(record.adapter_id, reader.adapter, record, generation)
             self._cache_gauges()
         finally:
             reader.close()  # closed by the read already, unless it never ran

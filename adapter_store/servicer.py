@@ -122,11 +122,12 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         attributes = {"loraserve.adapter.id": request.adapter_id, "loraserve.offset": request.offset}
         handover = self.service.handover if request.handover and request.offset == 0 else None
         with tracing.span("store.fetch", attributes) as span:  # cache lookup, or a rebuild on a miss
-            record = await self.service.fetch_record(request.adapter_id, request.digest)
+            looked_up = await self.service.fetch_record(request.adapter_id, request.digest)
+            record = looked_up[0]
             shape = handover.present(record.digest) if handover is not None else None
             if shape is None:
                 opened = await self.service.open_fetch(
-                    request.adapter_id, request.offset, request.digest, record
+                    request.adapter_id, request.offset, request.digest, looked_up
                 )
                 optimized, filling = opened.adapter, opened.filling
                 tracing.annotate({"loraserve.bytes": optimized.total_bytes - request.offset}, span)

@@ -94,18 +94,15 @@ class LocalSource(AdapterSource):
             raise _os_error(exc, where) from exc
         try:
             st = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise InvalidArgument(f"{where} is not a regular file")
-        try:
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidArgument(f"{where} is not a regular file")
             # blocking again: a read of a file an HSM has migrated would fail EAGAIN (and a
             # buffered read return None) instead of waiting for the file's recall
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
+            if isinstance(exc, OSError):
+                raise _os_error(exc, where) from exc
             raise
         with os.fdopen(fd, "rb") as f:
             if st.st_size > max_bytes:
@@ -135,12 +132,20 @@ def _resolve(path: Path, what: str) -> Path:
 TRANSIENT_ERRNOS = frozenset(
     {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.ENOLCK}
 )
+# The store's process or host short of file descriptors or kernel memory: it passes as other work
+# ends, so UNAVAILABLE as well (RESOURCE_EXHAUSTED is a client's own quota, and clients do not
+# retry it), not FAILED_PRECONDITION, which no client retries.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 def _os_error(exc: OSError, what: str) -> StoreError:
     """Classify a filesystem failure on a local source: absent -> NOT_FOUND, a name that cannot be
-    a checkpoint (too long, a symlink loop) -> INVALID_ARGUMENT, a transient failure -> UNAVAILABLE,
-    anything else (permissions) -> FAILED_PRECONDITION."""
+    a checkpoint (too long, a symlink loop) -> INVALID_ARGUMENT, a transient failure or the store
+    short of descriptors or memory -> UNAVAILABLE, anything else (permissions) -> FAILED_PRECONDITION."""
+    if exc.errno in RESOURCE_ERRNOS:
+        return Unavailable(
+            f"{what}: cannot read now, the store is short of a resource ({exc.strerror}); retry later"
+        )
     if exc.errno in TRANSIENT_ERRNOS:
         return Unavailable(f"{what}: cannot read now: {exc.strerror}")
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):

@@ -20,6 +20,7 @@ from loraserve.adapter_store.checkpoint import PeftCheckpoint
 from loraserve.adapter_store.errors import FailedPrecondition, InvalidArgument, StoreError
 from loraserve.adapter_store.pattern_keys import check_pattern_key, first_matching_key
 from loraserve.contract.adapter_layout import MODULES, module_shapes
+from loraserve.contract.payload import TORCH_DTYPES
 
 # The layer index as PEFT writes it: ASCII decimal without leading zeros (`\d` would take any
 # Unicode digit, and `layers.01` would name the weight of `layers.1` a second time), short enough
@@ -45,6 +46,7 @@ MAX_PATTERN_KEYS = 1024
 class Limits:
     max_lora_rank: int = 64
     base_model_name: str | None = None  # when set, base_model_name_or_path must agree
+    serving_dtype: str = "bfloat16"  # the activations' dtype on the workers (update_bound's limit)
 
 
 @dataclass
@@ -157,8 +159,50 @@ def validate(ckpt: PeftCheckpoint, base_config: dict, limits: Limits) -> LoraAda
                 f"tensor {prefix}.lora_B.weight has shape {list(b.shape)}, "
                 f"expected [{out_f}, {mr}] (out_features {out_f}, rank {mr})"
             )
-        modules[(layer, module)] = LoraModule(layer, module, mr, ma, scale_of(ma, mr, use_rslora), a, b)
+        scale = scale_of(ma, mr, use_rslora)
+        _check_update(prefix, a, b, scale, limits.serving_dtype)
+        modules[(layer, module)] = LoraModule(layer, module, mr, ma, scale, a, b)
     return LoraAdapter(modules, r, alpha, use_rslora, rank_pattern, alpha_pattern, base_model)
+
+
+def activation_limit(dtype: str) -> float:
+    """The largest activation that stays usable when served in `dtype`: float16's own max; for
+    bfloat16 and float32, sqrt(float32 max) ~ 1.8e19, past which the next RMSNorm's square, taken
+    in float32, is inf, and the row normalises to zeros (or NaN, where the value itself is inf)."""
+    return min(torch.finfo(TORCH_DTYPES[dtype]).max, math.sqrt(torch.finfo(torch.float32).max))
+
+
+def update_bound(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """An upper bound of max_i sum_j |(scale * B @ A)[i, j]|, the largest entry of the update for
+    an input whose entries are at most 1 in magnitude, without forming B @ A ([out, in], r MACs per
+    entry): |sum_k B[i, k] A[k, j]| <= sum_k |B[i, k]| |A[k, j]|, so the row sum is at most
+    sum_k |B[i, k]| * ||A[k]||_1. Exact for rank 1 with entries of one sign, at most r times the
+    truth otherwise. One pass over A and one over B, elementwise (a [out, r] @ [r] product through
+    BLAS was slower on a busy CPU); inf when a sum passes float32's range."""
+    a_rows = a.abs().sum(dim=1, dtype=torch.float32)  # [r]; past float32: the shrink's output overflows
+    if not bool(torch.isfinite(a_rows).all()):
+        return math.inf
+    rows = b.abs().to(torch.float32).mul_(a_rows).sum(dim=1)  # [out]; abs made a copy to scale in place
+    return float(rows.max()) * scale
+
+
+def _check_update(prefix: str, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: str) -> None:
+    """Finite weights can still make an update no activation holds (1e30 fits bfloat16): the
+    adapter's rows would come out as zeros or NaN while the batch's other rows are fine. Refused
+    when update_bound passes activation_limit; trained adapters stay orders of magnitude below."""
+    limit = activation_limit(dtype)
+    bound = update_bound(a, b, scale)
+    if not bound <= limit:
+        why = (
+            "float16's largest value"
+            if dtype == "float16"
+            else "past which the next RMSNorm's float32 square overflows"
+        )
+        raise InvalidArgument(
+            f"tensors {prefix}.lora_A.weight and {prefix}.lora_B.weight make an update "
+            f"({scale:g} * B @ A) of up to {bound:.3g} for an input of magnitude 1, over {limit:.3g} "
+            f"({why}; serving dtype {dtype}): weights far outside what training produces"
+        )
 
 
 def _check_method(cfg: dict) -> None:

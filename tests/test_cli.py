@@ -20,7 +20,9 @@ def test_register_and_adapters_commands(start_store, capsys) -> None:
     addr = ["--store", store.address]
     assert cli_main(["register", "qv", "peft-qv-r8", *addr, "--token", "tok"]) == 0
     assert "registered qv: rank 8, q_proj, v_proj" in capsys.readouterr().out
-    assert cli_main(["register", "qv", "peft-qv-r8", *addr, "--token", "tok"]) == 1
+    assert cli_main(["register", "qv", "peft-qv-r8", *addr, "--token", "tok"]) == 0  # sent again: its record
+    assert "registered qv: rank 8" in capsys.readouterr().out
+    assert cli_main(["register", "qv", "peft-patterns", *addr, "--token", "tok"]) == 1
     assert "ALREADY_EXISTS" in capsys.readouterr().err
     assert cli_main(["register", "qv", "peft-patterns", "--overwrite", *addr, "--token", "tok"]) == 0
     assert cli_main(["register", "sub", "peft-subset-layer1", *addr]) == 1

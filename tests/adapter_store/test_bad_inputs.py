@@ -403,3 +403,18 @@ def test_header_length_field_is_checked_before_parsing(good_stub, adapter_root: 
     (d / bad.WEIGHTS).write_bytes(struct.pack("<Q", 1 << 62) + blob[8:])
     expect_error(lambda: register(good_stub, "g", "giant-header"), C.INVALID_ARGUMENT, "header claims")
     still_serving(good_stub)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_non_finite_values_are_found_whatever_a_tensor_sums_to(dtype: torch.dtype) -> None:
+    """check_finite sums each tensor first: finite values whose float32 sum overflows are then
+    looked at one by one and pass; NaN, Inf, -Inf, and Inf beside -Inf (a NaN sum) are found."""
+    from loraserve.adapter_store.checkpoint import check_finite
+    from loraserve.adapter_store.errors import InvalidArgument
+
+    check_finite({"w": torch.full((4, 4), min(torch.finfo(dtype).max, 1e300), dtype=dtype)})
+    for values in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        t = torch.zeros(4, 4, dtype=dtype)
+        t.view(-1)[: len(values)] = torch.tensor(values, dtype=dtype)
+        with pytest.raises(InvalidArgument, match="'w' contains NaN or Inf"):
+            check_finite({"ok": torch.ones(3, dtype=dtype), "w": t})

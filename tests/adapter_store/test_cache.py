@@ -1,15 +1,22 @@
-"""The CPU cache (LRU by count and by bytes, rebuild on miss, digest re-check) and single flight.
-Tests of rebuilds turn the disk tier off (cache_dir=""); test_disk_tier.py covers the tier."""
+"""The CPU cache (LRU by count and by bytes, rebuild on miss, digest re-check, no stale payload put
+back after a delete) and single flight. Tests of rebuilds turn the disk tier off (cache_dir="")
+unless they check what reaches it; test_disk_tier.py covers the tier."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from loraserve.adapter_store.cache import AdapterCache
+from loraserve.adapter_store.disk_tier import DiskTier
+from loraserve.adapter_store.optimize import OptimizedAdapter
+from loraserve.adapter_store.payload_file import PayloadKey
+from loraserve.adapter_store.registry import AdapterRecord
 from loraserve.clients.adapter_fetch import fetch_adapter
 from loraserve.v1 import store_pb2_grpc
 from tests.helpers import bad_checkpoints as bad
@@ -164,3 +171,145 @@ def test_registration_queue_is_bounded(start_store) -> None:
     assert first.adapter_id == "a"
     assert isinstance(second, ResourceExhausted) and "in flight" in second.message
     assert store.call(service.register("b", "peft-patterns", False)).adapter_id == "b"
+
+
+# -- a payload read before a delete is not cached after it -----------------------------------------
+def _payload(digest: str, nbytes: int = 16) -> tuple[OptimizedAdapter, AdapterRecord]:
+    adapter = OptimizedAdapter([], torch.zeros(nbytes, dtype=torch.uint8), digest, 4, "bfloat16")
+    record = AdapterRecord("x", "src", digest, 4, 8.0, False, ["q_proj"], "bfloat16", nbytes, "", 1, 0)
+    return adapter, record
+
+
+def test_a_put_read_before_a_drop_or_a_later_put_is_refused() -> None:
+    cache = AdapterCache(4, 1 << 20)
+    old, old_record = _payload("d1")
+    before = cache.generation()
+    cache.drop("x")  # a delete
+    assert not cache.put("x", old, old_record, before) and "x" not in cache
+    assert cache.put("x", old, old_record, cache.generation()) and "x" in cache  # read after it
+    new, new_record = _payload("d2")
+    stale = cache.generation()
+    assert cache.put("x", new, new_record, cache.generation())  # a re-registration, read later
+    assert not cache.put("x", old, old_record, stale)
+    assert cache.known_record("x") is new_record and cache.get("x", "d2") is new
+    assert cache.put("y", old, old_record, stale)  # another adapter's changes do not matter
+
+
+def test_the_history_of_changes_is_bounded(monkeypatch) -> None:
+    monkeypatch.setattr("loraserve.adapter_store.cache.MAX_CHANGES", 3)
+    cache = AdapterCache(2, 1 << 20)
+    payload, record = _payload("d1")
+    early = cache.generation()
+    for i in range(5):
+        cache.drop(f"gone-{i}")
+    assert len(cache._changes) == 3
+    # "x" changed before the history forgot: a put read that early may be stale, so it is refused
+    assert not cache.put("x", payload, record, early)
+    assert cache.put("x", payload, record, cache.generation())
+
+
+def _hold_rebuilds(service, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Rebuilds from the source wait for `go` once they have started (`held` set)."""
+    held, go = threading.Event(), threading.Event()
+    build = service._build
+
+    def held_build(source, reason: str):
+        if reason == "rebuild":
+            held.set()
+            assert go.wait(10), "the test never let the rebuild go on"
+        return build(source, reason)
+
+    monkeypatch.setattr(service, "_build", held_build)
+    return held, go
+
+
+@pytest.mark.parametrize("again", [None, "peft-qv-r8", "peft-patterns"], ids=["deleted", "same", "other"])
+def test_a_rebuild_in_flight_brings_no_deleted_adapter_back(
+    start_store, tmp_path: Path, monkeypatch, again: str | None
+) -> None:
+    """A fetch reads the record, its rebuild is held, the adapter is deleted (and registered again,
+    from the same source or another): the rebuild's payload reaches neither the CPU cache nor the
+    disk tier, whatever the fetch streams of the record it read."""
+    tier = tmp_path / "tier"
+    store = start_store(cache_dir=str(tier))
+    service = store.service
+    old = store.call(service.register("x", "peft-qv-r8", False))
+    service.cache.drop("x")
+    service.tier.discard("x")
+    service.tier.flush()  # the source alone holds it now: a fetch rebuilds
+    held, go = _hold_rebuilds(service, monkeypatch)
+
+    async def race():
+        fetch = asyncio.ensure_future(service.open_fetch("x", 0, ""))
+        assert await asyncio.to_thread(held.wait, 10)
+        await service.delete("x")
+        new = await service.register("x", again, False) if again else None
+        go.set()
+        return await fetch, new
+
+    opened, new = store.call(race())
+    assert opened.adapter.digest == old.digest  # it read the record before the delete
+    service.tier.flush()
+    if new is None:
+        assert "x" not in service.cache and not list(tier.iterdir())
+    else:
+        assert service.cache.known_record("x") == new and service.cache.get("x", new.digest) is not None
+        assert [p.name for p in tier.iterdir()] == [PayloadKey("x", new.digest).file_name]
+
+
+def test_a_disk_read_in_flight_brings_no_deleted_adapter_back(
+    start_store, tmp_path: Path, monkeypatch
+) -> None:
+    tier = tmp_path / "tier"
+    store = start_store(cache_dir=str(tier))
+    service = store.service
+    store.call(service.register("x", "peft-all-r16-rslora", False))
+    service.cache.drop("x")  # on disk only
+    held, go = threading.Event(), threading.Event()
+    read = DiskTier.read
+
+    def held_read(self, reader, *rest):
+        held.set()
+        assert go.wait(10), "the test never let the read go on"
+        return read(self, reader, *rest)
+
+    monkeypatch.setattr(DiskTier, "read", held_read)
+
+    async def race():
+        opened = await service.open_fetch("x", 0, "")
+        assert opened.filling is not None and await asyncio.to_thread(held.wait, 10)
+        await service.delete("x")
+        await asyncio.to_thread(service.tier.flush)  # the file is gone; the open reader reads on
+        go.set()
+        await opened.filling.verified()
+
+    store.call(race())
+    service.tier.flush()
+    assert "x" not in service.cache and not list(tier.iterdir())
+
+
+async def _running_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()
+
+
+def test_a_delete_between_a_registration_and_its_caching_wins(
+    start_store, tmp_path: Path, monkeypatch
+) -> None:
+    """The registry holds the record; a delete runs before the registration caches its payload
+    and writes it to the disk tier: neither is done afterwards."""
+    tier = tmp_path / "tier"
+    store = start_store(cache_dir=str(tier))
+    service = store.service
+    put = service.registry.put
+    loop = store.call(_running_loop())
+
+    def put_then_delete(record, overwrite):
+        old = put(record, overwrite)
+        asyncio.run_coroutine_threadsafe(service.delete(record.adapter_id), loop).result(10)
+        return old
+
+    monkeypatch.setattr(service.registry, "put", put_then_delete)
+    record = store.call(service.register("x", "peft-qv-r8", False))
+    assert record.adapter_id == "x"
+    service.tier.flush()
+    assert "x" not in service.cache and not list(tier.iterdir())

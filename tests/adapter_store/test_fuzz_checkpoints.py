@@ -148,19 +148,32 @@ def test_mutated_checkpoints_fail_cleanly(valid: tuple[dict, bytes, bytes]) -> N
     assert outcomes["refused"] > CASES // 2 and outcomes["built"] > 0, outcomes
 
 
-def _build(base: dict, config: dict, weights: bytes, dtype: str = "float16"):
+def _build(base: dict, config: dict, weights: bytes, dtype: str = "float16", validated_for: str = ""):
     ckpt = read_checkpoint(json.dumps(config).encode(), weights, max_tensors=64)
-    return optimize(validate(ckpt, base, Limits(max_lora_rank=64)), base, dtype)
+    limits = Limits(max_lora_rank=64, serving_dtype=validated_for or dtype)
+    return optimize(validate(ckpt, base, limits), base, dtype)
 
 
-def test_scaling_that_overflows_the_serving_dtype_is_refused(valid: tuple[dict, bytes, bytes]) -> None:
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_scaling_that_overflows_the_serving_dtype_is_refused(
+    valid: tuple[dict, bytes, bytes], dtype: str
+) -> None:
     base, config, weights = valid
     cfg = json.loads(config)
-    assert _build(base, cfg, weights).digest  # the checkpoint as written builds
+    assert _build(base, cfg, weights, dtype).digest  # the checkpoint as written builds
+    # float32 holds B * 1e30 / r, but no activation holds the update it makes
+    with pytest.raises(InvalidArgument, match="input of magnitude 1") as err:
+        _build(base, {**cfg, "lora_alpha": 1e30}, weights, dtype)
+    assert "lora_B.weight" in str(err.value) and dtype in str(err.value)
+
+
+def test_a_scaled_b_that_float16_cannot_hold_is_refused_by_optimize(valid: tuple[dict, bytes, bytes]) -> None:
+    """optimize's own check, behind validation's: validated for bfloat16 (whose limit lets an update
+    of 1e9 pass), the cast of B * 1e10 / r to float16 overflows."""
+    base, config, weights = valid
     with pytest.raises(InvalidArgument, match="overflows") as err:
-        _build(base, {**cfg, "lora_alpha": 1e30}, weights)
+        _build(base, {**json.loads(config), "lora_alpha": 1e10}, weights, "float16", validated_for="bfloat16")
     assert "lora_b" in str(err.value) and "float16" in str(err.value)
-    assert _build(base, {**cfg, "lora_alpha": 1e30}, weights, "float32").digest  # fp32 holds it
 
 
 @pytest.mark.parametrize("value", ["yes", 1, [], {"q_proj": True}])

@@ -1,25 +1,30 @@
 """Checkpoints and identifiers built to hurt the store: pattern keys that would backtrack as
 regular expressions, nesting deep enough to exhaust a recursive parser, ids and S3 names with a
-trailing newline, alphas that are no scale at all. Each is refused with INVALID_ARGUMENT and a
-message naming what is wrong, quickly, while health keeps answering."""
+trailing newline, alphas that are no scale at all, finite weights whose update no activation
+holds. Each is refused with INVALID_ARGUMENT and a message naming what is wrong, quickly, while
+health keeps answering."""
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
-from loraserve.adapter_store.checkpoint import MAX_JSON_DEPTH, parse_config, parse_header
+from loraserve.adapter_store.checkpoint import MAX_JSON_DEPTH, PeftCheckpoint, parse_config, parse_header
 from loraserve.adapter_store.errors import InvalidArgument
+from loraserve.adapter_store.optimize import optimize
 from loraserve.adapter_store.pattern_keys import check_pattern_key, key_matches
 from loraserve.adapter_store.service import check_adapter_id
 from loraserve.adapter_store.sources import parse_s3
-from loraserve.adapter_store.validate import module_path
-from loraserve.contract.adapter_layout import MODULES
+from loraserve.adapter_store.validate import Limits, activation_limit, module_path, update_bound, validate
+from loraserve.contract.adapter_layout import MODULES, module_shapes
+from loraserve.contract.payload import TORCH_DTYPES
 from loraserve.v1 import store_pb2
 from tests.helpers import bad_checkpoints as bad
 from tests.helpers.health import HealthProbe
@@ -353,3 +358,86 @@ def test_ranges_that_tile_the_data_section_are_accepted() -> None:
     )
     entries, start = parse_header(_weights(header, bytes(8)), max_tensors=8)
     assert [e.name for e in entries] == ["a", "e", "b"] and start == 8 + len(header)
+
+
+# -- defect: finite weights whose update overflows the activations --------------------------------
+def _absurd(d: Path, which: str, how: str) -> str:
+    name = bad.first_name(d, f"{which}.weight")
+
+    def fn(t: dict) -> None:
+        if how == "all":
+            t[name] = t[name] * 1e30
+        else:
+            t[name] = t[name].clone()
+            t[name][0, 0] = 1e30
+
+    bad.edit_tensors(d, fn)
+    return name
+
+
+@pytest.mark.parametrize("which,how", [("lora_B", "all"), ("lora_A", "all"), ("lora_A", "one")])
+def test_weights_whose_update_overflows_are_refused(which: str, how: str, stub, adapter_root: Path) -> None:
+    """Finite weights of 1e30 (which bfloat16 holds) make the module's update for an input of
+    magnitude 1 about 1e31: past what the next RMSNorm can square, so the adapter's rows come out
+    as zeros or NaN while others are fine. Refused at registration, naming the tensors."""
+    name = _absurd(bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "absurd"), which, how)
+    module = name.rsplit(".", 2)[0]
+    refused(stub, "absurd", f"{module}.lora_A.weight", f"{module}.lora_B.weight", "input of magnitude 1")
+
+
+def _rank1(base_config: dict, a: float, b: float) -> PeftCheckpoint:
+    """A rank-1 q_proj adapter of layer 0 with every A entry `a` and every B entry `b` (scale 1):
+    its update of an all-ones input is a * b * in_features in every row, exactly."""
+    in_f, out_f = module_shapes(base_config)["q_proj"]
+    prefix = f"base_model.model.{module_path(0, 'q_proj')}"
+    return PeftCheckpoint(
+        {"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]},
+        {
+            f"{prefix}.lora_A.weight": torch.full((1, in_f), a),
+            f"{prefix}.lora_B.weight": torch.full((out_f, 1), b),
+        },
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_bound_is_the_update_of_a_unit_input(dtype: str, base_config: dict) -> None:
+    """Within 1 % either side of the limit: an update that the serving dtype (float16) or the next
+    RMSNorm (bfloat16, float32: it squares in float32) still holds is accepted, one past it not."""
+    in_f = module_shapes(base_config)["q_proj"][0]
+    limit = activation_limit(dtype)
+    limits = Limits(serving_dtype=dtype)
+    ok = validate(_rank1(base_config, 1.0, 0.99 * limit / in_f), base_config, limits)
+    assert optimize(ok, base_config, dtype).digest
+    update = torch.ones(in_f) @ ok.modules[(0, "q_proj")].a.T @ ok.modules[(0, "q_proj")].b.T  # [out]
+    assert bool(torch.isfinite(update.to(TORCH_DTYPES[dtype])).all())
+    with pytest.raises(InvalidArgument, match="input of magnitude 1") as err:
+        validate(_rank1(base_config, 1.0, 1.01 * limit / in_f), base_config, limits)
+    assert "q_proj.lora_A.weight" in str(err.value) and dtype in str(err.value)
+
+
+def test_past_the_limit_the_next_rmsnorm_loses_the_row() -> None:
+    """Why bfloat16's limit is sqrt(float32 max), not bfloat16's max: the worker's RMSNorm squares
+    activations in float32, and one past the limit turns the whole row's output to zeros."""
+    from loraserve.inference_worker.model.llama import RMSNorm
+
+    norm = RMSNorm(64, 1e-5, torch.bfloat16, "cpu")
+    limit = activation_limit("bfloat16")
+    for value, lost in ((0.5 * limit, False), (2 * limit, True)):
+        x = torch.ones(1, 64, dtype=torch.bfloat16)
+        x[0, 0] = value
+        y, _ = norm(x)
+        assert bool((y == 0).all()) == lost, (value, y)
+
+
+def test_the_bound_holds_for_any_weights() -> None:
+    """update_bound is never below the exact largest row sum of |scale * B @ A| (float32 rounding
+    aside), and at most r times it; exact for rank 1."""
+    g = torch.Generator().manual_seed(0)
+    for r, in_f, out_f in ((1, 64, 32), (8, 64, 96), (16, 256, 128)):
+        a = torch.randn(r, in_f, generator=g)
+        b = torch.randn(out_f, r, generator=g) * torch.rand(out_f, 1, generator=g)
+        exact = float((0.5 * b.double() @ a.double()).abs().sum(1).max())
+        bound = update_bound(a, b, 0.5)
+        assert exact * (1 - 1e-6) <= bound <= r * exact * (1 + 1e-6)
+    # rows of A past float32 (which the shrink accumulates in): inf * 0 is NaN, even with B = 0
+    assert update_bound(torch.full((1, 64), 1e37, dtype=torch.bfloat16), torch.zeros(8, 1), 1.0) == math.inf

@@ -137,7 +137,46 @@ def test_a_file_under_another_process_lease_is_unavailable(stub, adapter_root: P
     "code,status",
     [(errno.EIO, "UNAVAILABLE"), (errno.ESTALE, "UNAVAILABLE"), (errno.ETIMEDOUT, "UNAVAILABLE")]
     + [(errno.EAGAIN, "UNAVAILABLE"), (errno.EINTR, "UNAVAILABLE"), (errno.ENOLCK, "UNAVAILABLE")]
+    + [(errno.EMFILE, "UNAVAILABLE"), (errno.ENFILE, "UNAVAILABLE"), (errno.ENOMEM, "UNAVAILABLE")]
+    + [(errno.ENOBUFS, "UNAVAILABLE")]
     + [(errno.EACCES, "FAILED_PRECONDITION"), (errno.EPERM, "FAILED_PRECONDITION")],
 )
 def test_filesystem_failures_that_pass_are_unavailable(code: int, status: str) -> None:
     assert _os_error(OSError(code, os.strerror(code)), "src/f").code == status
+
+
+def _failing_once(real, code: int, when):
+    """`real`, except that its first call for which `when(args)` holds raises OSError(code)."""
+    failed: list[int] = []
+
+    def call(*args, **kwargs):
+        if not failed and when(args):
+            failed.append(code)
+            raise OSError(code, os.strerror(code))
+        return real(*args, **kwargs)
+
+    return call, failed
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM])
+@pytest.mark.parametrize("at", ["open", "fstat"])
+def test_a_source_read_out_of_descriptors_or_memory_is_unavailable(
+    code: int, at: str, stub, adapter_root: Path, monkeypatch
+) -> None:
+    """The store's process (or the host) out of file descriptors or kernel memory as it opens or
+    stats a source file: UNAVAILABLE, which clients retry, naming the file and what ran out; the
+    same registration sent again once it passes succeeds."""
+    if at == "open":
+        call, failed = _failing_once(os.open, code, lambda args: str(args[0]).endswith(bad.WEIGHTS))
+    else:
+        weights = lambda args: os.readlink(f"/proc/self/fd/{args[0]}").endswith(bad.WEIGHTS)  # noqa: E731
+        call, failed = _failing_once(os.fstat, code, weights)
+    monkeypatch.setattr(os, at, call)
+    request = store_pb2.RegisterAdapterRequest(adapter_id="x", source="peft-qv-r8")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RegisterAdapter(request, timeout=10)
+    assert failed == [code]
+    assert err.value.code() == C.UNAVAILABLE, err.value.details()
+    for fragment in (bad.WEIGHTS, os.strerror(code), "retry"):
+        assert fragment in err.value.details(), (fragment, err.value.details())
+    assert stub.RegisterAdapter(request, timeout=30).adapter_id == "x"

@@ -3,6 +3,7 @@ the same contract: atomic put with overwrite, delete, paged listing in id order.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -12,7 +13,8 @@ from loraserve.adapter_store.errors import AlreadyExists
 from loraserve.adapter_store.registry import AdapterRecord, SqliteRegistry
 from loraserve.clients.adapter_fetch import fetch_adapter
 from loraserve.v1 import store_pb2, store_pb2_grpc
-from tests.helpers.store_calls import register
+from tests.helpers import bad_checkpoints as bad
+from tests.helpers.store_calls import expect_error, register
 
 
 def _record(adapter_id: str, digest: str = "d" * 64) -> AdapterRecord:
@@ -186,3 +188,73 @@ def test_a_listing_page_is_full_though_ids_were_deleted_while_listed(
         req = store_pb2.ListAdaptersRequest(page_size=2, page_token=first.next_page_token)
         second = stub.ListAdapters(req)
         assert [a.adapter_id for a in second.adapters] == ["e", "f"] and not second.next_page_token
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+def registry_store(request, start_store):
+    """A store on either registry."""
+    if request.param == "sqlite":
+        return start_store()
+    return start_store(
+        redis_url=request.getfixturevalue("redis_url"), redis_prefix=request.getfixturevalue("redis_prefix")
+    )
+
+
+def test_a_registration_sent_again_answers_its_own_record(registry_store, adapter_root: Path) -> None:
+    """A client whose reply was lost sends the same registration again (no overwrite): it gets the
+    record its first call wrote, OK, not ALREADY_EXISTS; another source, or a checkpoint there that
+    no longer makes the same record, is still ALREADY_EXISTS."""
+    bad.copy_adapter(adapter_root / "peft-qv-r8", adapter_root / "mutable")
+    with grpc.insecure_channel(registry_store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        first = register(stub, "x", "peft-qv-r8")
+        assert register(stub, "x", "peft-qv-r8") == first  # the same record: its created_at too
+        assert register(stub, "x", "./peft-qv-r8/") == first  # the same source, spelled otherwise
+        expect_error(
+            lambda: register(stub, "x", "peft-patterns"),
+            grpc.StatusCode.ALREADY_EXISTS,
+            "'x' already exists",
+            "from 'peft-qv-r8'",
+            "overwrite",
+        )
+        m = register(stub, "m", "mutable")
+
+        def halve_b(tensors: dict) -> None:
+            for name in tensors:
+                if name.endswith("lora_B.weight"):
+                    tensors[name] = tensors[name] / 2
+
+        # twice the alpha, half of B: the same payload (digest), not the same record
+        bad.edit_config(adapter_root / "mutable", lora_alpha=32)
+        bad.edit_tensors(adapter_root / "mutable", halve_b)
+        expect_error(
+            lambda: register(stub, "m", "mutable"),
+            grpc.StatusCode.ALREADY_EXISTS,
+            "'m' already exists",
+            "lora_alpha",
+        )
+        bad.edit_config(adapter_root / "mutable", lora_alpha=16)
+        expect_error(
+            lambda: register(stub, "m", "mutable"),
+            grpc.StatusCode.ALREADY_EXISTS,
+            "'m' already exists",
+            f"digest {m.digest}",
+        )
+        assert stub.GetAdapter(store_pb2.GetAdapterRequest(adapter_id="m")) == m
+        assert register(stub, "m", "mutable", overwrite=True).digest != m.digest
+
+
+def test_registrations_racing_for_one_id_from_one_source_both_succeed(registry_store) -> None:
+    """Two spellings of one source are two single flights: the one whose registry write finds the
+    other's record answers that record."""
+    service = registry_store.service
+
+    async def both():
+        return await asyncio.gather(
+            service.register("x", "peft-all-r16-rslora", False),
+            service.register("x", "./peft-all-r16-rslora", False),
+        )
+
+    first, second = registry_store.call(both())
+    assert first == second
+    assert service.registry.get("x") == first
