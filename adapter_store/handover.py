@@ -10,7 +10,8 @@ between two processes' memory on one machine, as the worker's own fetch process 
 over (inference_worker/fetching/), not a transfer over a network, so no second digest pass.
 
 A payload is written when it is registered (it is in memory then) and when a fetch asks for one that
-is not there; a fetch of a payload whose file is there reads nothing of the payload on the store's
+is not there: from the CPU cache at once (the write and the worker's copy take less than a stream),
+from the disk tier once its read has been checked (that fetch streams as the file is read). A fetch of a payload whose file is there reads nothing of the payload on the store's
 side (not the CPU cache, not the disk tier): the directory is one more tier, in the host's memory,
 shared by every worker there.
 
@@ -73,7 +74,7 @@ class HandoverDirectory:
         self._files: OrderedDict[str, _File] = OrderedDict()  # by digest, least recently handed out first
         self._bytes = 0
         self._writing: dict[str, asyncio.Future[bool]] = {}
-        self._soon: set[asyncio.Future[str | None]] = set()
+        self._soon: set[asyncio.Future[str | None]] = set()  # writes nobody waits for
         self._warned_full = 0.0
 
     def start(self) -> None:
@@ -112,11 +113,19 @@ class HandoverDirectory:
             return None
         return digest if self.present(digest, written=True) is not None else None
 
-    def offer_soon(self, optimized: OptimizedAdapter) -> None:
-        """Write `optimized`'s file in the background (just registered: its payload is at hand)."""
-        task = asyncio.ensure_future(self.offer(optimized, None))
+    def offer_soon(self, optimized: OptimizedAdapter, filling: Filling | None = None) -> None:
+        """Write `optimized`'s file in the background: just registered (its payload is at hand), or
+        once the disk tier's read of it (`filling`) has been checked."""
+        task = asyncio.ensure_future(self._offer_quietly(optimized, filling))
         self._soon.add(task)
         task.add_done_callback(self._soon.discard)
+
+    async def _offer_quietly(self, optimized: OptimizedAdapter, filling: Filling | None) -> str | None:
+        try:
+            return await self.offer(optimized, filling)
+        except Exception as exc:  # a damaged disk copy: the fetch reading it says so
+            log.debug("hand-over of %s not written: %s", optimized.digest[:12], exc)
+            return None
 
     def present(self, digest: str, written: bool = False) -> PayloadShape | None:
         """The payload of `digest` when its file is there (it is then handed out now; `written`: by

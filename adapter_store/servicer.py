@@ -136,12 +136,14 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         if shape is not None:
             yield self._handover_manifest(record, shape)
             return
-        if handover is not None:
+        if handover is not None and filling is None:  # in memory: written now, faster than a stream
             with tracing.span("store.handover", attributes):
-                name = await _filled(handover.offer(optimized, filling), context)
+                name = await handover.offer(optimized, None)
             if name is not None:
                 yield self._handover_manifest(record, optimized)
                 return
+        elif handover is not None:  # read from the disk tier: streamed as it is read, its file
+            handover.offer_soon(optimized, filling)  # written for the next fetch once it is checked
         note(bytes=optimized.total_bytes - request.offset)
         yield self._manifest(opened.record, optimized)  # a serialized FetchAdapterResponse(manifest=...)
         # The payload stays referenced by `optimized` for the whole stream, even if evicted meanwhile.

@@ -159,6 +159,8 @@ class AdapterDownload:
                     f"adapter {self.adapter_id!r} changed while resuming "
                     f"(digest {self.manifest.digest} -> {m.digest})"
                 )
+            if m.handover_file:  # asked again after a restart from offset 0
+                self._read_handover(m.handover_file)
             return
         if m.layout_version != LAYOUT_VERSION:
             raise FetchError(

@@ -199,8 +199,26 @@ def test_a_damaged_disk_copy_is_not_handed_over(start_store, shared, tmp_path, m
         path.write_bytes(bytes(raw))
         got = fetch_adapter(ch, "x", handover_dir=shared)
     _same(got, reference)
-    assert got.handover == "file"  # the refetch, from the rebuilt payload
+    assert got.handover == "file"  # the refetch, from the rebuilt payload (in memory)
     assert (shared / info.digest).read_bytes() == bytes(reference.buffer.numpy())
+
+
+def test_a_payload_read_from_the_disk_tier_streams_and_is_written_for_the_next(start_store, shared, tmp_path):
+    store = start_store(handover_dir=str(shared), cache_max_adapters=1, cache_dir=str(tmp_path / "tier"))
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-all-r16-rslora")
+        reference = fetch_adapter(ch, "x")
+        register(stub, "y", "peft-qv-r8")  # evicts x from memory
+        store.service.tier.flush()
+        _written(shared / info.digest)
+        (shared / info.digest).unlink()
+        streamed = fetch_adapter(ch, "x", handover_dir=shared)  # a stream beats waiting for the read
+        _written(shared / info.digest)
+        handed = fetch_adapter(ch, "x", handover_dir=shared)
+    assert (streamed.handover, handed.handover) == ("", "file")
+    _same(streamed, reference)
+    _same(handed, reference)
 
 
 def _payload(n: int, fill: int):
