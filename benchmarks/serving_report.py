@@ -63,6 +63,8 @@ def line_for(n: int, row: dict) -> str:
     steps = f" {step} ms a step" if step is not None else ""
     if sat_activity.get("mean_sequences_per_step") is not None:
         steps += f" ({sat_activity['mean_sequences_per_step']} sequences"
+        if sat_activity.get("mean_adapters_per_step") is not None:
+            steps += f" of {sat_activity['mean_adapters_per_step']} adapters"
         admissions = sat_activity.get("step_admissions") or {}
         total = sum(admissions.values())
         if total:

@@ -66,6 +66,13 @@ class WorkerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=r,
         )
+        self.step_adapters = Histogram(
+            "loraserve_worker_step_adapters",
+            "Distinct adapters (GPU slots) among the rows of an engine step: the LoRA kernels' work "
+            "grows with them",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
         self.step_tokens = Histogram(
             "loraserve_worker_step_tokens",
             "Tokens in an engine step",
@@ -125,11 +132,18 @@ class WorkerMetrics:
         self.queue_time.observe(usage.queue_time_ms / 1e3)
 
     def observe_step(
-        self, kind: str, seconds: float, sequences: int, tokens: int, admission: AdmissionOutcome
+        self,
+        kind: str,
+        seconds: float,
+        sequences: int,
+        tokens: int,
+        admission: AdmissionOutcome,
+        adapters: int = 0,
     ) -> None:
         self._step_kinds[kind].observe(seconds)
         self._admissions[admission].inc()
         self.step_sequences.observe(sequences)
+        self.step_adapters.observe(adapters)
         self.step_tokens.observe(tokens)
 
     def observe_device(self, waited: float, span: float | None) -> None:

@@ -222,6 +222,8 @@ def format_summary(summary: dict[str, object]) -> str:
             lines.append("admission lookups: " + ", ".join(f"{k} {v}" for k, v in lk.items()))
         if act.get("steps"):
             line = f"engine steps: {act['steps']}, {act['mean_sequences_per_step']} sequences per step"
+            if act.get("mean_adapters_per_step") is not None:
+                line += f" ({act['mean_adapters_per_step']} adapters)"
             if act.get("step_ms") is not None:
                 line += f", {act['step_ms']} ms a step"
             if act.get("device_ms_per_step") is not None:

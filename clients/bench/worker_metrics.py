@@ -17,6 +17,7 @@ EVICTIONS = "loraserve_worker_adapter_evictions_total"
 LOOKUPS = "loraserve_worker_adapter_lookups_total"
 GENERATED = "loraserve_worker_generated_tokens_total"
 STEP_SEQUENCES = "loraserve_worker_step_sequences"  # histogram: _count, _sum
+STEP_ADAPTERS = "loraserve_worker_step_adapters"  # histogram: distinct adapters of a step's rows
 STEP_SECONDS = "loraserve_worker_step_seconds"  # histogram by kind: _count, _sum
 STEP_ADMISSIONS = "loraserve_worker_step_admissions_total"  # steps by what ended their admission
 DEVICE_WAIT = "loraserve_worker_device_wait_seconds_total"
@@ -75,6 +76,7 @@ class AdapterActivity:
     generated_tokens: int
     steps: int = 0  # engine steps that ran the model, summed over the workers
     step_sequences: int = 0  # sequences over those steps (their mean is how full batches were)
+    step_adapters: int = 0  # distinct adapters of each step's rows, summed over those steps
     load_ms: dict[str, float] = field(default_factory=dict)  # mean ms of a load, by tier
     store_origins: dict[str, int] = field(default_factory=dict)  # a store's fetches by origin
     step_seconds: float = 0.0  # wall time of those steps (the step thread's, waits included)
@@ -102,6 +104,7 @@ class AdapterActivity:
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,
             "mean_sequences_per_step": round(self.step_sequences / self.steps, 2) if self.steps else None,
+            "mean_adapters_per_step": round(self.step_adapters / self.steps, 2) if self.steps else None,
             "mean_load_ms": self.load_ms,
             "store_fetch_origins": self.store_origins,
             "step_ms": _per_step_ms(self.step_seconds, self.steps),
@@ -184,6 +187,7 @@ def activity(
         generated_tokens=delta(GENERATED),
         steps=delta(STEP_SEQUENCES + "_count"),
         step_sequences=delta(STEP_SEQUENCES + "_sum"),
+        step_adapters=delta(STEP_ADAPTERS + "_sum"),
         load_ms={t: round(1e3 * loads_s.get(t, 0.0) / n, 2) for t, n in loads_n.items() if n},
         store_origins=by(STORE_OPEN_SECONDS + "_count", "origin"),
         step_seconds=sum(by_exact(STEP_SECONDS + "_sum", "kind").values()),

@@ -94,9 +94,10 @@ class LLMEngine:
         self.num_prefill_tokens = 0  # tokens run through prefill (an n > 1 prompt counts once)
         self.outputs = OutputQueue()
         # called after every step that ran the model (the worker's metrics): step_observer(kind,
-        # seconds, sequences, tokens, admission) with kind "prefill" (a prefill chunk in the step)
-        # or "decode", admission what ended the step's admission pass (scheduler.ADMISSION_OUTCOMES)
-        self.step_observer: Callable[[str, float, int, int, AdmissionOutcome], None] | None = None
+        # seconds, sequences, tokens, admission, adapters) with kind "prefill" (a prefill chunk in
+        # the step) or "decode", admission what ended the step's admission pass
+        # (scheduler.ADMISSION_OUTCOMES), adapters the distinct adapters (GPU slots) of its rows
+        self.step_observer: Callable[[str, float, int, int, AdmissionOutcome, int], None] | None = None
         self._text_pending: list[Sequence] = []  # sampled last step, text not yet processed
         cfg_async = config.async_scheduling
         on_cuda = self.runner.device.type == "cuda"
@@ -305,7 +306,11 @@ class LLMEngine:
             tokens = sum(n for _, n in sched.prefills) + len(sched.decodes)
             kind = "prefill" if sched.prefills else "decode"
             rows = len(sched.prefills) + len(sched.decodes)
-            self.step_observer(kind, time.perf_counter() - t0, rows, tokens, sched.admission)
+            slots = {s.lora_slot for s in sched.decodes}
+            slots.update(s.lora_slot for s, _ in sched.prefills)
+            slots.discard(-1)  # the base model's rows
+            seconds = time.perf_counter() - t0
+            self.step_observer(kind, seconds, rows, tokens, sched.admission, len(slots))
         return True
 
     def _complete(self, launched: LaunchedSample) -> None:

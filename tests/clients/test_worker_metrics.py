@@ -112,12 +112,18 @@ def test_steps_by_what_ended_their_admission() -> None:
     m = WorkerMetrics(engine)  # type: ignore[arg-type]
     try:
         observe = engine.step_observer
-        observe("decode", 0.002, 64, 64, "max_num_seqs")
+        observe("decode", 0.002, 64, 64, "max_num_seqs", 9)
         before = _scrape(m)
-        for admission in ("max_num_seqs", "queue_empty", "queue_empty", "adapter_wait"):
-            observe("prefill", 0.003, 60, 300, admission)
+        for admission, adapters in (
+            ("max_num_seqs", 7),
+            ("queue_empty", 3),
+            ("queue_empty", 0),
+            ("adapter_wait", 2),
+        ):
+            observe("prefill", 0.003, 60, 300, admission, adapters)
         act = worker_metrics.activity(before, _scrape(m))
         assert act.step_admissions == {"adapter_wait": 1, "max_num_seqs": 1, "queue_empty": 2}
         assert act.steps == 4 and act.as_dict()["step_admissions"] == act.step_admissions
+        assert act.as_dict()["mean_adapters_per_step"] == 3.0  # (7 + 3 + 0 + 2) / 4
     finally:
         m.close()

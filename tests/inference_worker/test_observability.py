@@ -139,8 +139,12 @@ def test_a_refused_call_is_logged_with_its_status(caplog, start_worker) -> None:
 
 
 def test_per_adapter_metrics_of_a_served_request(lora_worker) -> None:
-    _generate(lora_worker.address, "mlp-rs16")
     value = lora_worker.server.metrics.registry.get_sample_value
+    steps, adapters = (value(f"loraserve_worker_step_adapters_{k}") for k in ("count", "sum"))
+    _generate(lora_worker.address, "mlp-rs16")
+    # every step of the one request had that one adapter's rows
+    ran = value("loraserve_worker_step_adapters_count") - steps
+    assert ran > 0 and value("loraserve_worker_step_adapters_sum") - adapters == ran
     one = {"adapter": "mlp-rs16"}
     assert value("loraserve_worker_per_adapter_requests_total", {**one, "code": "OK"}) == 1
     assert value("loraserve_worker_per_adapter_prompt_tokens_total", one) == 4

@@ -369,6 +369,7 @@ def test_tokens_and_metrics(start_worker, capsys) -> None:
     assert 'loraserve_worker_step_seconds_count{kind="prefill"} 1.0' in body
     assert 'loraserve_worker_step_seconds_count{kind="decode"} 2.0' in body
     assert "loraserve_worker_step_sequences_sum 3.0" in body
+    assert "loraserve_worker_step_adapters_sum 0.0" in body  # the base model's rows: no adapter
     # on a CPU no step waits for a device, and none is timed on one
     assert "loraserve_worker_device_wait_seconds_total 0.0" in body
     assert "loraserve_worker_step_device_seconds_count 0.0" in body
