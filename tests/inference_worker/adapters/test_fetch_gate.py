@@ -220,7 +220,7 @@ class HeldSource:
         self.started.append(adapter_id)
         event = self.go.setdefault(adapter_id, threading.Event())
         await asyncio.to_thread(event.wait, 10)
-        return SimpleNamespace(key=f"{adapter_id}@{'0' * 64}", nbytes=1, adapter_id=adapter_id)
+        return SimpleNamespace(key=f"{adapter_id}@{'0' * 64}", nbytes=1, adapter_id=adapter_id, transport="")
 
     def let_go(self, adapter_id: str) -> None:
         self.go.setdefault(adapter_id, threading.Event()).set()
