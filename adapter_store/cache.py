@@ -8,7 +8,9 @@ is unreachable.
 A put says when its record was read from the registry: `generation()`, taken before the read. It is
 refused when the adapter was dropped (deleted) or put again (registered anew, or put from a later
 read) since then, so a fetch or registration that read a record before a delete or a re-registration
-never puts that record's payload back after it.
+never puts that record's payload back after it. A registration's put (`registered`), whose record is
+the registry's newest, is refused only by a drop or another registration since: a fetch's put meanwhile
+may be of the record it replaced, read before its write.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ class AdapterCache:
         # adapter id -> (last known record, payload), least recently used first
         self._entries: OrderedDict[str, tuple[AdapterRecord, OptimizedAdapter]] = OrderedDict()
         self._bytes = 0
-        # adapter id -> the clock at its last drop or put, least recent first; the clock counts them
-        self._changes: OrderedDict[str, int] = OrderedDict()
+        # adapter id -> the clock at (its last drop or put, its last drop or registration), least
+        # recent first; the clock counts them
+        self._changes: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._clock = 0
         self._floor = 0  # the clock of the latest change forgotten
         self._lock = threading.Lock()
@@ -72,16 +75,25 @@ class AdapterCache:
             entry = self._entries.get(adapter_id)
             return None if entry is None else entry[0]
 
-    def put(self, adapter_id: str, adapter: OptimizedAdapter, record: AdapterRecord, generation: int) -> bool:
+    def put(
+        self,
+        adapter_id: str,
+        adapter: OptimizedAdapter,
+        record: AdapterRecord,
+        generation: int,
+        registered: bool = False,
+    ) -> bool:
         """Cache the payload of `record` (record.digest == adapter.digest), read from the registry
-        after `generation()` answered `generation`; False (nothing cached) when the adapter was
-        dropped or put since, for `record` may be deleted or replaced by now. True otherwise, also
-        for a payload over the byte budget, which is not cached."""
+        after `generation()` answered `generation`, or written to it (`registered`) after; False
+        (nothing cached) when the adapter was dropped or put (registered) since, for `record` may be
+        deleted or replaced by now. True otherwise, also for a payload over the byte budget, which
+        is not cached."""
         evicted: list[tuple[str, OptimizedAdapter]] = []
         with self._lock:
-            if generation < self._changes.get(adapter_id, self._floor):
+            last_put, last_registered = self._changes.get(adapter_id, (self._floor, self._floor))
+            if generation < (last_registered if registered else last_put):
                 return False
-            self._changed(adapter_id)
+            self._changed(adapter_id, registered)
             self._remove(adapter_id)
             if adapter.total_bytes > self.max_bytes:
                 return True
@@ -99,15 +111,17 @@ class AdapterCache:
     def drop(self, adapter_id: str) -> None:
         """Remove the adapter's payload, and refuse puts of records read before now."""
         with self._lock:
-            self._changed(adapter_id)
+            self._changed(adapter_id, True)
             self._remove(adapter_id)
 
-    def _changed(self, adapter_id: str) -> None:
+    def _changed(self, adapter_id: str, registered: bool) -> None:
+        """A put, or a drop or registration (`registered`) of the adapter, now."""
         self._clock += 1
-        self._changes[adapter_id] = self._clock
+        last_registered = self._clock if registered else self._changes.get(adapter_id, (0, self._floor))[1]
+        self._changes[adapter_id] = (self._clock, last_registered)
         self._changes.move_to_end(adapter_id)
         if len(self._changes) > MAX_CHANGES:
-            _, self._floor = self._changes.popitem(last=False)
+            _, (self._floor, _) = self._changes.popitem(last=False)
 
     def _remove(self, adapter_id: str) -> None:
         old = self._entries.pop(adapter_id, None)

@@ -194,7 +194,7 @@ class AdapterService:
             if existing is None:  # deleted since: the client may register again
                 raise
             return self._registered_already(existing, record)
-        current = self.cache.put(adapter_id, o, record, generation)
+        current = self.cache.put(adapter_id, o, record, generation, registered=True)
         self._cache_gauges()
         if self.tier is not None:
             # on disk before the reply (a failing disk only logs) unless deleted or registered

@@ -26,9 +26,10 @@ then fetched copies of them. Measured through the services at saturation: two wo
 of the most popular adapters twice and found 73–76 % of requests' adapters resident; with the
 loads kept current, 8 twice and 89.6 % (H100, two workers, 1,000 adapters, Zipf 1.0).
 A worker that answers UNAVAILABLE is skipped for `down_s` and the request is retried on the next
-candidate (a stream only while it has produced nothing); a stream whose first message does not come
-within `first_message_timeout` is cancelled, its worker down too, and DEADLINE_EXCEEDED raised. A
-worker that was down is routed to again once a refresh after `down_s` finds it answering.
+candidate (a stream only while it has produced nothing); a stream without a deadline whose first
+message does not come within `first_message_timeout` is cancelled, its worker down too, and
+DEADLINE_EXCEEDED raised. A worker that was down is routed to again once a refresh after `down_s`
+finds it answering.
 
     router = WorkerRouter(["10.0.0.1:50061", "10.0.0.2:50061"])
     router = WorkerRouter(discover_workers("redis://redis:6379/0"))   # the fleet's live workers

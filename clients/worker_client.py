@@ -12,9 +12,10 @@
 
 Failures surface as `grpc.RpcError` with the server's status code and message.
 
-Deadlines: `timeout` (the client's, or a call's own) bounds a whole call, a stream's included.
+Deadlines: `timeout` (the client's, or a call's own) bounds a whole call, a stream's included, and
+its wait for the first message with it (a long queue or prefill is no failure within it).
 Without one a unary call gets DEFAULT_TIMEOUT_S, and a stream none, so a long generation runs to
-its end; but a stream's first message must come within `first_message_timeout`
+its end; but such a stream's first message must come within `first_message_timeout`
 (FIRST_MESSAGE_TIMEOUT_S; None: no bound), else the call is cancelled and FirstMessageTimeout
 (DEADLINE_EXCEEDED) raised: a worker that accepts the call and never answers holds no caller for
 good. The channel's keepalive (`channel.Keepalive`; None: off) ends any call to a peer that is
@@ -308,6 +309,11 @@ class _Base:
         """A unary call's deadline: its own, else the client's, else DEFAULT_TIMEOUT_S."""
         return timeout or self.timeout or DEFAULT_TIMEOUT_S
 
+    def _first_message(self, timeout: float | None) -> float | None:
+        """A stream's bound on its first message: first_message_timeout when the stream has no
+        deadline (its own or the client's), else none, the deadline being the caller's bound."""
+        return None if timeout or self.timeout else self.first_message_timeout
+
 
 class WorkerClient(_Base, ChannelClient):
     channel: grpc.Channel
@@ -326,7 +332,7 @@ class WorkerClient(_Base, ChannelClient):
         call = self.stub.GenerateStream(
             build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
         )
-        watch = _FirstMessageWatch(call, self.first_message_timeout)
+        watch = _FirstMessageWatch(call, self._first_message(timeout))
         try:
             for r in call:
                 watch.end()
@@ -397,11 +403,12 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
     ) -> AsyncIterator[Delta]:
         call = self.open_stream(prompt, timeout=timeout, **kw)
         messages = call.__aiter__()
+        first_s = self._first_message(timeout)
         try:
             try:
-                first = await asyncio.wait_for(messages.__anext__(), self.first_message_timeout)
+                first = await asyncio.wait_for(messages.__anext__(), first_s)
             except asyncio.TimeoutError:
-                raise FirstMessageTimeout(self.first_message_timeout or 0.0) from None
+                raise FirstMessageTimeout(first_s or 0.0) from None
             except StopAsyncIteration:
                 return
             yield _delta(first)

@@ -195,6 +195,23 @@ def test_a_put_read_before_a_drop_or_a_later_put_is_refused() -> None:
     assert cache.put("y", old, old_record, stale)  # another adapter's changes do not matter
 
 
+def test_a_registration_s_put_is_refused_by_a_drop_or_a_registration_only() -> None:
+    cache = AdapterCache(4, 1 << 20)
+    old, old_record = _payload("d1")
+    new, new_record = _payload("d2")
+    read = cache.generation()  # a fetch reads the record that a registration replaces
+    written = cache.generation()  # the registration writes the registry
+    assert cache.put("x", old, old_record, read)  # the fetch's put lands meanwhile
+    assert cache.put("x", new, new_record, written, registered=True)
+    assert cache.get("x", "d2") is new and not cache.put("x", old, old_record, read)
+    before = cache.generation()
+    cache.drop("x")
+    assert not cache.put("x", new, new_record, before, registered=True)
+    before = cache.generation()
+    assert cache.put("x", old, old_record, cache.generation(), registered=True)  # registered anew
+    assert not cache.put("x", new, new_record, before, registered=True)
+
+
 def test_the_history_of_changes_is_bounded(monkeypatch) -> None:
     monkeypatch.setattr("loraserve.adapter_store.cache.MAX_CHANGES", 3)
     cache = AdapterCache(2, 1 << 20)
@@ -313,3 +330,44 @@ def test_a_delete_between_a_registration_and_its_caching_wins(
     assert record.adapter_id == "x"
     service.tier.flush()
     assert "x" not in service.cache and not list(tier.iterdir())
+
+
+def test_a_read_put_while_a_registration_writes_the_registry_does_not_keep_it_out(
+    start_store, tmp_path: Path, monkeypatch
+) -> None:
+    """A fetch read the record a re-registration replaces, and puts its payload while the
+    registration writes the registry: the registration's payload, put after it, is cached and
+    written to the disk tier all the same, not the replaced one (which would be served under its
+    old record while the registry is unreachable)."""
+    tier = tmp_path / "tier"
+    store = start_store(cache_dir=str(tier))
+    service = store.service
+    old = store.call(service.register("x", "peft-qv-r8", False))
+    service.cache.drop("x")
+    service.tier.discard("x")
+    service.tier.flush()  # the source alone holds it now: a fetch rebuilds
+    held, go = _hold_rebuilds(service, monkeypatch)
+    put = service.registry.put
+    loop = store.call(_running_loop())
+    fetch: list[asyncio.Future] = []
+
+    async def fetched():
+        return await fetch[0]
+
+    def put_then_the_fetch_ends(record, overwrite):
+        replaced = put(record, overwrite)
+        go.set()
+        assert asyncio.run_coroutine_threadsafe(fetched(), loop).result(10).adapter.digest == old.digest
+        return replaced
+
+    async def race():
+        fetch.append(asyncio.ensure_future(service.open_fetch("x", 0, "")))
+        assert await asyncio.to_thread(held.wait, 10)  # it read the record of peft-qv-r8
+        monkeypatch.setattr(service.registry, "put", put_then_the_fetch_ends)
+        return await service.register("x", "peft-patterns", True)
+
+    new = store.call(race())
+    assert new.digest != old.digest
+    service.tier.flush()
+    assert service.cache.known_record("x") == new and service.cache.get("x", new.digest) is not None
+    assert [p.name for p in tier.iterdir()] == [PayloadKey("x", new.digest).file_name]

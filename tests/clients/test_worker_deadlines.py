@@ -1,8 +1,8 @@
 """The worker clients' deadlines against workers that hang (real gRPC servers on port 0 whose calls
 never end): without a timeout a unary call ends at DEFAULT_TIMEOUT_S and a stream whose first
 message does not come within first_message_timeout is cancelled with DEADLINE_EXCEEDED, while a
-stream that has started runs as long as it generates; the router takes a worker whose stream did
-not start down."""
+stream that has started runs as long as it generates, and one with a deadline waits for its first
+message until then; the router takes a worker whose stream did not start down."""
 
 from __future__ import annotations
 
@@ -52,6 +52,26 @@ def test_a_stream_that_started_runs_past_the_first_message_deadline() -> None:
         t0 = time.monotonic()
         deltas = list(client.generate_stream([1, 2], max_tokens=6))
         assert [d.token_ids for d in deltas] == [[i] for i in range(6)] and time.monotonic() - t0 > 1.2
+
+
+def test_a_stream_with_a_deadline_waits_for_its_first_message_as_long_as_that() -> None:
+    """A caller's deadline (the gateway's --request-timeout-s, generate --timeout) bounds the wait
+    for the first message itself: a queue or a prefill longer than first_message_timeout but within
+    the deadline is no failure, in either client."""
+    worker = FakeWorker()
+    worker.first_message_s = 1.0
+    with fake_workers(worker) as (address,):
+        with WorkerClient(address, timeout=20.0, first_message_timeout=0.3) as client:
+            assert [d.token_ids for d in client.generate_stream([1], max_tokens=2)] == [[0], [1]]
+        with WorkerClient(address, first_message_timeout=0.3) as client:
+            deltas = client.generate_stream([1], max_tokens=2, timeout=20.0)
+            assert [d.token_ids for d in deltas] == [[0], [1]]
+
+        async def go() -> list[list[int]]:
+            async with AsyncWorkerClient(address, timeout=20.0, first_message_timeout=0.3) as client:
+                return [d.token_ids async for d in client.generate_stream([1], max_tokens=2)]
+
+        assert asyncio.run(go()) == [[0], [1]]
 
 
 def test_unary_calls_without_a_timeout_end_at_the_default_deadline(monkeypatch) -> None:
