@@ -225,6 +225,18 @@ def test_the_history_of_changes_is_bounded(monkeypatch) -> None:
     assert cache.put("x", payload, record, cache.generation())
 
 
+def _registered_on_source_only(start_store, tier: Path, monkeypatch):
+    """A store with its disk tier in `tier` and `x` registered, then out of its CPU cache and disk
+    tier (a fetch rebuilds it), rebuilds held (`_hold_rebuilds`); -> (store, x's record, (held, go))."""
+    store = start_store(cache_dir=str(tier))
+    service = store.service
+    old = store.call(service.register("x", "peft-qv-r8", False))
+    service.cache.drop("x")
+    service.tier.discard("x")
+    service.tier.flush()
+    return store, old, _hold_rebuilds(service, monkeypatch)
+
+
 def _hold_rebuilds(service, monkeypatch) -> tuple[threading.Event, threading.Event]:
     """Rebuilds from the source wait for `go` once they have started (`held` set)."""
     held, go = threading.Event(), threading.Event()
@@ -248,13 +260,8 @@ def test_a_rebuild_in_flight_brings_no_deleted_adapter_back(
     from the same source or another): the rebuild's payload reaches neither the CPU cache nor the
     disk tier, whatever the fetch streams of the record it read."""
     tier = tmp_path / "tier"
-    store = start_store(cache_dir=str(tier))
+    store, old, (held, go) = _registered_on_source_only(start_store, tier, monkeypatch)
     service = store.service
-    old = store.call(service.register("x", "peft-qv-r8", False))
-    service.cache.drop("x")
-    service.tier.discard("x")
-    service.tier.flush()  # the source alone holds it now: a fetch rebuilds
-    held, go = _hold_rebuilds(service, monkeypatch)
 
     async def race():
         fetch = asyncio.ensure_future(service.open_fetch("x", 0, ""))
@@ -340,13 +347,8 @@ def test_a_read_put_while_a_registration_writes_the_registry_does_not_keep_it_ou
     written to the disk tier all the same, not the replaced one (which would be served under its
     old record while the registry is unreachable)."""
     tier = tmp_path / "tier"
-    store = start_store(cache_dir=str(tier))
+    store, old, (held, go) = _registered_on_source_only(start_store, tier, monkeypatch)
     service = store.service
-    old = store.call(service.register("x", "peft-qv-r8", False))
-    service.cache.drop("x")
-    service.tier.discard("x")
-    service.tier.flush()  # the source alone holds it now: a fetch rebuilds
-    held, go = _hold_rebuilds(service, monkeypatch)
     put = service.registry.put
     loop = store.call(_running_loop())
     fetch: list[asyncio.Future] = []
