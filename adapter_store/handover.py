@@ -15,12 +15,14 @@ from the disk tier once its read has been checked (that fetch streams as the fil
 side (not the CPU cache, not the disk tier): the directory is one more tier, in the host's memory,
 shared by every worker there.
 
-The directory is the store's: it removes every file it finds there at start-up (an earlier run's),
-keeps at most `max_bytes` of files (least recently handed over go first) and removes an adapter's
-file when it is deleted. A file handed over within the last `keep_s` seconds is not removed for
-room, so a worker has that long to open it; a worker that finds no file (another host, a file
-removed meanwhile) fetches the payload as a stream instead. Files are written under a temporary
-name and renamed into place complete, so a worker never sees part of one.
+The directory is the store's: a real directory of the store's user that no other user may write
+into (workers trust its files by name), made when it is not there. The store removes the files an
+earlier run left there at start-up (the names it writes: digests, temporaries), keeps at most
+`max_bytes` of files (least recently handed over go first) and removes an adapter's file when it
+is deleted. A file handed over within the last `keep_s` seconds is not removed for room, so a
+worker has that long to open it; a worker that finds no file (another host, a file removed
+meanwhile) fetches the payload as a stream instead. Files are written under a temporary name and
+renamed into place complete, so a worker never sees part of one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import asyncio
 import errno
 import logging
 import os
+import re
+import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -41,6 +45,7 @@ from loraserve.contract.payload import PayloadTensor
 
 log = logging.getLogger("loraserve.store.handover")
 
+_NAME_RE = re.compile(r"[0-9a-f]{64}")  # a payload's file: its digest
 _TMP_PREFIX = ".writing-"
 _WRITE_STEP = 8 << 20  # bytes per write call
 
@@ -78,13 +83,40 @@ class HandoverDirectory:
         self._warned_full = 0.0
 
     def start(self) -> None:
-        """Make the directory (readable by the workers) and remove what an earlier run left."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.directory, 0o755)
+        """Make the directory (readable by the workers) unless it is there, check that it is the
+        store's own, and remove the files an earlier run left: names the store writes only, so a
+        directory given by mistake (/dev/shm, a home) loses nothing else."""
+        try:
+            self.directory.mkdir(parents=True)
+            os.chmod(self.directory, 0o755)  # whatever the umask
+        except FileExistsError:
+            pass
+        self._check_own()
         for path in self.directory.iterdir():
-            if path.is_file() or path.is_symlink():
+            ours = _NAME_RE.fullmatch(path.name) or path.name.startswith(_TMP_PREFIX)
+            if ours and (path.is_file() or path.is_symlink()):
                 path.unlink(missing_ok=True)
         self._gauges()
+
+    def _check_own(self) -> None:
+        """Workers take a file here as the checked payload its name says, unhashed: the directory
+        must be a real one that no other user can write into (not a link, not a shared /tmp)."""
+        st = os.lstat(self.directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(
+                f"handover_dir {self.directory} must be a directory, not a symbolic link or file"
+            )
+        if st.st_uid != os.geteuid():
+            raise ValueError(
+                f"handover_dir {self.directory} is owned by uid {st.st_uid}, not the store's "
+                f"{os.geteuid()}: give the store a directory of its own"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ValueError(
+                f"handover_dir {self.directory} is writable by other users (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): give the store a directory of its own (it makes one "
+                "that is not there)"
+            )
 
     @property
     def bytes(self) -> int:

@@ -165,15 +165,57 @@ def test_deleting_an_adapter_removes_its_file(start_store, shared):
     assert store.service.metrics.value("loraserve_store_handover_files") == 0
 
 
-def test_the_store_empties_its_directory_at_start(start_store, shared):
+def test_the_store_removes_its_files_at_start_and_nothing_else(start_store, shared):
+    """What an earlier run left (payload files, a write it did not finish) goes; a file or directory
+    of another name is not the store's: a directory given by mistake (/dev/shm, a home) keeps it."""
     shared.mkdir()
-    (shared / "left-by-an-earlier-run").write_bytes(b"x")
+    (shared / ("ab" * 32)).write_bytes(b"x")
+    (shared / ".writing-abc-1-2").write_bytes(b"x")
+    (shared / "someone-elses").write_bytes(b"x")
+    (shared / ("cd" * 32)).mkdir()
     start_store(handover_dir=str(shared))
-    assert list(shared.iterdir()) == []
+    assert sorted(p.name for p in shared.iterdir()) == ["cd" * 32, "someone-elses"]
+
+
+def test_a_directory_the_store_makes_is_readable_by_workers_whatever_the_umask(tmp_path):
+    old = os.umask(0o077)
+    try:
+        HandoverDirectory(tmp_path / "a" / "h", max_bytes=1 << 20, metrics=StoreMetrics()).start()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a" / "h").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_directory_that_is_not_the_stores_own_is_refused(tmp_path, monkeypatch):
+    """Workers trust the files there by name: the store refuses a directory that others may write
+    into (a shared /tmp or /dev/shm), a link, or one of another user, and leaves it as it was."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    left = shared / ("ab" * 32)
+    left.write_bytes(b"x")
+    directory = HandoverDirectory(shared, max_bytes=1 << 20, metrics=StoreMetrics())
+    for mode in (0o1777, 0o775):
+        shared.chmod(mode)
+        with pytest.raises(ValueError, match="writable by other users"):
+            directory.start()
+        assert shared.stat().st_mode & 0o7777 == mode and left.exists()
+    shared.chmod(0o750)
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    with pytest.raises(ValueError, match="not a symbolic link"):
+        HandoverDirectory(link, max_bytes=1 << 20, metrics=StoreMetrics()).start()
+    monkeypatch.setattr(os, "geteuid", lambda: shared.stat().st_uid + 1)
+    with pytest.raises(ValueError, match="owned by uid"):
+        directory.start()
+    assert left.exists()
+    monkeypatch.undo()
+    directory.start()  # its own, not writable by others: taken as it is
+    assert shared.stat().st_mode & 0o7777 == 0o750 and not left.exists()
 
 
 def test_a_handover_directory_must_be_the_stores_own(store_config, tmp_path):
-    for taken in (store_config.data_dir, store_config.adapter_root, str(tmp_path)):
+    root = store_config.adapter_root
+    for taken in (store_config.data_dir, root, str(tmp_path), f"{root}/peft-qv-r8", f"{root}/h"):
         with pytest.raises(ValueError, match="handover_dir"):
             store_config.replace(handover_dir=taken)
     store_config.replace(handover_dir=str(tmp_path / "handover"))
