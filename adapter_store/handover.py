@@ -201,6 +201,7 @@ class HandoverDirectory:
         view = memoryview(optimized.payload.numpy())  # type: ignore[arg-type]
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         try:
+            os.fchmod(fd, 0o644)  # readable by workers of another user whatever the store's umask
             for start in range(0, len(view), _WRITE_STEP):
                 part = view[start : start + _WRITE_STEP]
                 while part:

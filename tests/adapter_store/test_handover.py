@@ -313,6 +313,19 @@ def test_a_file_removed_under_the_store_is_written_again(tmp_path):
     asyncio.run(run())
 
 
+def test_files_are_readable_by_workers_whatever_the_umask(tmp_path):
+    """Workers may run as another user (containers of one pod): a file they cannot open costs
+    every fetch of it a round trip, then a stream."""
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=StoreMetrics())
+    directory.start()
+    old = os.umask(0o077)
+    try:
+        name = asyncio.run(directory.offer(_payload(100, 7), None))
+    finally:
+        os.umask(old)
+    assert name is not None and (tmp_path / "h" / name).stat().st_mode & 0o777 == 0o644
+
+
 def test_no_room_streams_instead(tmp_path, monkeypatch):
     directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=StoreMetrics())
     directory.start()
