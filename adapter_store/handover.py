@@ -48,6 +48,9 @@ log = logging.getLogger("loraserve.store.handover")
 _NAME_RE = re.compile(r"[0-9a-f]{64}")  # a payload's file: its digest
 _TMP_PREFIX = ".writing-"
 _WRITE_STEP = 8 << 20  # bytes per write call
+# digests whose last discard is remembered; an offer read before the oldest forgotten discard is
+# refused whatever its digest (a stream, never a deleted adapter's file left behind)
+MAX_DISCARDS = 16_384
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,10 @@ class HandoverDirectory:
         self._writing: dict[str, asyncio.Future[bool]] = {}
         self._soon: set[asyncio.Future[str | None]] = set()  # writes nobody waits for
         self._warned_full = 0.0
+        # digest -> the clock at its last discard, least recent first; the clock counts them
+        self._discards: OrderedDict[str, int] = OrderedDict()
+        self._clock = 0
+        self._floor = 0  # the clock of the latest discard forgotten
 
     def start(self) -> None:
         """Make the directory (readable by the workers) unless it is there, check that it is the
@@ -125,36 +132,45 @@ class HandoverDirectory:
     def __len__(self) -> int:
         return len(self._files)
 
-    async def offer(self, optimized: OptimizedAdapter, filling: Filling | None) -> str | None:
+    def generation(self) -> int:
+        """The clock now: take it before reading the registry record whose payload is offered."""
+        return self._clock
+
+    async def offer(
+        self, optimized: OptimizedAdapter, filling: Filling | None, generation: int
+    ) -> str | None:
         """The file name of `optimized`'s payload in the directory, written now if it is not there;
-        None when it cannot be (no room, an I/O error): the fetch streams instead. A payload still
-        read from the disk tier (`filling`) is written once its digest has been checked there."""
+        None when it cannot be (no room, an I/O error, its digest discarded since `generation`: a
+        record read before a delete): the fetch streams instead. A payload still read from the disk
+        tier (`filling`) is written once its digest has been checked there."""
         digest = optimized.digest
-        if filling is None and self.present(digest):
-            return digest
         if filling is not None:
             await filling.verified()  # a damaged disk copy raises here, as its stream would
-            if self.present(digest):
-                return digest
+        if self._discarded(digest, generation):
+            return None
+        if self.present(digest):
+            return digest
         writing = self._writing.get(digest)
         if writing is None:
-            writing = asyncio.ensure_future(self._write(optimized))
+            writing = asyncio.ensure_future(self._write(optimized, generation))
             self._writing[digest] = writing
             writing.add_done_callback(lambda _: self._writing.pop(digest, None))
         if not await asyncio.shield(writing):
             return None
         return digest if self.present(digest, written=True) is not None else None
 
-    def offer_soon(self, optimized: OptimizedAdapter, filling: Filling | None = None) -> None:
+    def offer_soon(self, optimized: OptimizedAdapter, filling: Filling | None, generation: int) -> None:
         """Write `optimized`'s file in the background: just registered (its payload is at hand), or
         once the disk tier's read of it (`filling`) has been checked."""
-        task = asyncio.ensure_future(self._offer_quietly(optimized, filling))
+        task = asyncio.ensure_future(self._offer_quietly(optimized, filling, generation))
         self._soon.add(task)
         task.add_done_callback(self._soon.discard)
 
-    async def _offer_quietly(self, optimized: OptimizedAdapter, filling: Filling | None) -> str | None:
+    async def _offer_quietly(
+        self, optimized: OptimizedAdapter, filling: Filling | None, generation: int
+    ) -> str | None:
         try:
-            return await self.offer(optimized, filling)
+            return await self.offer(optimized, filling, generation)
         except Exception as exc:  # a damaged disk copy: the fetch reading it says so
             log.debug("hand-over of %s not written: %s", optimized.digest[:12], exc)
             return None
@@ -174,7 +190,7 @@ class HandoverDirectory:
             self.metrics.handovers.labels("present").inc()
         return entry.shape
 
-    async def _write(self, optimized: OptimizedAdapter) -> bool:
+    async def _write(self, optimized: OptimizedAdapter, generation: int) -> bool:
         digest, size = optimized.digest, optimized.total_bytes
         self._make_room(size)
         try:
@@ -185,6 +201,9 @@ class HandoverDirectory:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or now - self._warned_full > 60:
                 self._warned_full = now
                 log.warning("hand-over of %s skipped (streamed instead): %s", digest[:12], exc)
+            return False
+        if self._discarded(digest, generation):  # deleted while written: not left behind
+            self._remove(digest)
             return False
         self._forget(digest)  # (counted once, were it there already)
         self._files[digest] = _File(PayloadShape.of(optimized), time.monotonic())
@@ -228,10 +247,19 @@ class HandoverDirectory:
             self.metrics.handover_evictions.inc()
 
     def discard(self, digest: str) -> None:
-        """An adapter of this digest was deleted: its file goes (another adapter with the same
-        payload gets it written again on its next fetch)."""
+        """An adapter of this digest was deleted: its file goes, and so does one that an offer of a
+        record read before now writes later (another adapter with the same payload gets it written
+        again on its next fetch)."""
+        self._clock += 1
+        self._discards[digest] = self._clock
+        self._discards.move_to_end(digest)
+        if len(self._discards) > MAX_DISCARDS:
+            _, self._floor = self._discards.popitem(last=False)
         if digest in self._files:
             self._remove(digest)
+
+    def _discarded(self, digest: str, generation: int) -> bool:
+        return generation < self._discards.get(digest, self._floor)
 
     def _remove(self, digest: str) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -275,9 +276,9 @@ def test_the_byte_bound_removes_least_recently_handed_over_files(tmp_path):
     directory.start()
 
     async def run() -> list[str | None]:
-        names = [await directory.offer(_payload(1000, i), None) for i in (1, 2, 3)]
-        names.append(await directory.offer(_payload(1000, 1), None))  # 1 is now the most recent
-        names.append(await directory.offer(_payload(1000, 4), None))  # 2 goes
+        names = [await directory.offer(_payload(1000, i), None, 0) for i in (1, 2, 3)]
+        names.append(await directory.offer(_payload(1000, 1), None, 0))  # 1 is now the most recent
+        names.append(await directory.offer(_payload(1000, 4), None, 0))  # 2 goes
         return names
 
     names = asyncio.run(run())
@@ -293,7 +294,7 @@ def test_files_handed_out_recently_are_kept_past_the_bound(tmp_path):
 
     async def run() -> None:
         for i in (1, 2):
-            assert await directory.offer(_payload(1000, i), None) is not None
+            assert await directory.offer(_payload(1000, i), None, 0) is not None
 
     asyncio.run(run())
     assert len(list((tmp_path / "h").iterdir())) == 2  # both within keep_s: a reader may be opening one
@@ -304,10 +305,10 @@ def test_a_file_removed_under_the_store_is_written_again(tmp_path):
     directory.start()
 
     async def run() -> None:
-        name = await directory.offer(_payload(100, 7), None)
+        name = await directory.offer(_payload(100, 7), None, 0)
         assert name is not None
         os.unlink(tmp_path / "h" / name)
-        assert await directory.offer(_payload(100, 7), None) == name
+        assert await directory.offer(_payload(100, 7), None, 0) == name
         assert (tmp_path / "h" / name).read_bytes() == bytes([7]) * 100
 
     asyncio.run(run())
@@ -320,10 +321,68 @@ def test_files_are_readable_by_workers_whatever_the_umask(tmp_path):
     directory.start()
     old = os.umask(0o077)
     try:
-        name = asyncio.run(directory.offer(_payload(100, 7), None))
+        name = asyncio.run(directory.offer(_payload(100, 7), None, 0))
     finally:
         os.umask(old)
     assert name is not None and (tmp_path / "h" / name).stat().st_mode & 0o777 == 0o644
+
+
+def test_a_file_is_not_written_for_a_record_read_before_a_delete(tmp_path, monkeypatch):
+    """A fetch read the record, then the adapter was deleted (its file discarded) before the
+    fetch's offer, or while its file was written: no file of the deleted adapter is left behind."""
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=StoreMetrics())
+    directory.start()
+    payload = _payload(100, 7)
+    started, release = threading.Event(), threading.Event()
+    write = HandoverDirectory._write_file
+
+    def held(self, optimized):
+        started.set()
+        assert release.wait(10)
+        write(self, optimized)
+
+    async def run() -> None:
+        since = directory.generation()
+        directory.discard(payload.digest)  # deleted after its record was read
+        assert await directory.offer(payload, None, since) is None
+        monkeypatch.setattr(HandoverDirectory, "_write_file", held)
+        since = directory.generation()
+        offered = asyncio.ensure_future(directory.offer(payload, None, since))
+        await asyncio.to_thread(started.wait, 10)
+        directory.discard(payload.digest)  # deleted while its file is written
+        release.set()
+        assert await offered is None
+        # registered again: written
+        assert await directory.offer(payload, None, directory.generation()) == payload.digest
+
+    asyncio.run(run())
+    assert [p.name for p in (tmp_path / "h").iterdir()] == [payload.digest] and len(directory) == 1
+
+
+def test_a_delete_during_the_registrations_write_leaves_no_file(start_store, shared, monkeypatch):
+    release = threading.Event()
+    write = HandoverDirectory._write_file
+
+    def held(self, optimized):
+        assert release.wait(10)
+        write(self, optimized)
+
+    monkeypatch.setattr(HandoverDirectory, "_write_file", held)
+    store = start_store(handover_dir=str(shared))
+    handover = store.service.handover
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        register(stub, "x", "peft-qv-r8")  # its file is being written in the background
+        stub.DeleteAdapter(store_pb2.DeleteAdapterRequest(adapter_id="x"))
+    release.set()
+
+    async def settled() -> None:
+        while handover._soon:
+            await asyncio.sleep(0.01)
+
+    store.call(settled())
+    assert list(shared.iterdir()) == [] and len(handover) == 0
+    assert store.service.metrics.value("loraserve_store_handover_files") == 0
 
 
 def test_no_room_streams_instead(tmp_path, monkeypatch):
@@ -336,7 +395,7 @@ def test_no_room_streams_instead(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "write", full)
 
     async def run() -> str | None:
-        return await directory.offer(_payload(100, 7), None)
+        return await directory.offer(_payload(100, 7), None, 0)
 
     assert asyncio.run(run()) is None
     assert list((tmp_path / "h").iterdir()) == [] and directory.bytes == 0
