@@ -137,18 +137,19 @@ class HandoverDirectory:
         return self._clock
 
     async def offer(
-        self, optimized: OptimizedAdapter, filling: Filling | None, generation: int
+        self, optimized: OptimizedAdapter, filling: Filling | None, generation: int, fetch: bool = True
     ) -> str | None:
         """The file name of `optimized`'s payload in the directory, written now if it is not there;
         None when it cannot be (no room, an I/O error, its digest discarded since `generation`: a
         record read before a delete): the fetch streams instead. A payload still read from the disk
-        tier (`filling`) is written once its digest has been checked there."""
+        tier (`filling`) is written once its digest has been checked there. `fetch`: a fetch is
+        handed the file (else it is written for later ones, and one there is not counted)."""
         digest = optimized.digest
         if filling is not None:
             await filling.verified()  # a damaged disk copy raises here, as its stream would
         if self._discarded(digest, generation):
             return None
-        if self.present(digest):
+        if self.present(digest, count=fetch):
             return digest
         writing = self._writing.get(digest)
         if writing is None:
@@ -157,7 +158,7 @@ class HandoverDirectory:
             writing.add_done_callback(lambda _: self._writing.pop(digest, None))
         if not await asyncio.shield(writing):
             return None
-        return digest if self.present(digest, written=True) is not None else None
+        return digest if self.present(digest, count=False) is not None else None  # counted written
 
     def offer_soon(self, optimized: OptimizedAdapter, filling: Filling | None, generation: int) -> None:
         """Write `optimized`'s file in the background: just registered (its payload is at hand), or
@@ -170,14 +171,14 @@ class HandoverDirectory:
         self, optimized: OptimizedAdapter, filling: Filling | None, generation: int
     ) -> str | None:
         try:
-            return await self.offer(optimized, filling, generation)
+            return await self.offer(optimized, filling, generation, fetch=False)
         except Exception as exc:  # a damaged disk copy: the fetch reading it says so
             log.debug("hand-over of %s not written: %s", optimized.digest[:12], exc)
             return None
 
-    def present(self, digest: str, written: bool = False) -> PayloadShape | None:
-        """The payload of `digest` when its file is there (it is then handed out now; `written`: by
-        the asking fetch's own write), else None."""
+    def present(self, digest: str, count: bool = True) -> PayloadShape | None:
+        """The payload of `digest` when its file is there (it is then handed out now, counted as a
+        hand-over of a file there when `count`), else None."""
         entry = self._files.get(digest)
         if entry is None:
             return None
@@ -186,7 +187,7 @@ class HandoverDirectory:
             return None
         entry.handed_out = time.monotonic()
         self._files.move_to_end(digest)
-        if not written:
+        if count:
             self.metrics.handovers.labels("present").inc()
         return entry.shape
 

@@ -38,6 +38,16 @@ def _written(path: Path) -> None:
         time.sleep(0.01)
 
 
+def _settled(store) -> None:
+    """Wait for the writes the store runs in the background (HandoverDirectory.offer_soon)."""
+
+    async def settled() -> None:
+        while store.service.handover._soon:
+            await asyncio.sleep(0.01)
+
+    store.call(settled())
+
+
 def _same(a, b) -> None:
     assert a.digest == b.digest and bytes(a.buffer.numpy()) == bytes(b.buffer.numpy())
     assert a.tensors.keys() == b.tensors.keys()
@@ -63,6 +73,21 @@ def test_a_fetch_on_the_stores_host_gets_the_payload_as_a_file(start_store, shar
     assert (shared / info.digest).stat().st_size == info.size_bytes
     assert _handovers(store, "written") == 1 and _handovers(store, "present") == 2
     assert store.service.metrics.value("loraserve_store_handover_files") == 1
+
+
+def test_only_fetches_count_as_handed_over(start_store, shared):
+    """A registration of a payload whose file is there (another id, the same checkpoint) writes
+    nothing and hands nothing over: `present` counts the fetches answered with a file there."""
+    store = start_store(handover_dir=str(shared))
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-qv-r8")
+        _written(shared / info.digest)
+        register(stub, "x2", "peft-qv-r8")
+        _settled(store)
+        assert (_handovers(store, "written"), _handovers(store, "present")) == (1, 0)
+        assert fetch_adapter(ch, "x2", handover_dir=shared).handover == "file"
+    assert (_handovers(store, "written"), _handovers(store, "present")) == (1, 1)
 
 
 def test_a_file_there_is_handed_over_without_reading_the_payload(start_store, shared, adapter_root):
@@ -375,12 +400,7 @@ def test_a_delete_during_the_registrations_write_leaves_no_file(start_store, sha
         register(stub, "x", "peft-qv-r8")  # its file is being written in the background
         stub.DeleteAdapter(store_pb2.DeleteAdapterRequest(adapter_id="x"))
     release.set()
-
-    async def settled() -> None:
-        while handover._soon:
-            await asyncio.sleep(0.01)
-
-    store.call(settled())
+    _settled(store)
     assert list(shared.iterdir()) == [] and len(handover) == 0
     assert store.service.metrics.value("loraserve_store_handover_files") == 0
 
