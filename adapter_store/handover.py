@@ -28,7 +28,6 @@ renamed into place complete, so a worker never sees part of one.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import re
@@ -83,7 +82,7 @@ class HandoverDirectory:
         self._bytes = 0
         self._writing: dict[str, asyncio.Future[bool]] = {}
         self._soon: set[asyncio.Future[str | None]] = set()  # writes nobody waits for
-        self._warned_full = 0.0
+        self._warned = 0.0  # time.monotonic() of the last failed write logged
         # digest -> the clock at its last discard, least recent first; the clock counts them
         self._discards: OrderedDict[str, int] = OrderedDict()
         self._clock = 0
@@ -199,8 +198,8 @@ class HandoverDirectory:
         except OSError as exc:
             self.metrics.handovers.labels("failed").inc()
             now = time.monotonic()
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or now - self._warned_full > 60:
-                self._warned_full = now
+            if now - self._warned > 60:  # full, read-only, not permitted: each fetch would say it
+                self._warned = now
                 log.warning("hand-over of %s skipped (streamed instead): %s", digest[:12], exc)
             return False
         if self._discarded(digest, generation):  # deleted while written: not left behind

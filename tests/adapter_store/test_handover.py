@@ -419,3 +419,24 @@ def test_no_room_streams_instead(tmp_path, monkeypatch):
 
     assert asyncio.run(run()) is None
     assert list((tmp_path / "h").iterdir()) == [] and directory.bytes == 0
+
+
+def test_a_directory_it_cannot_write_streams_and_says_so_once_a_minute(tmp_path, monkeypatch, caplog):
+    """A read-only or forbidden directory fails every write: each fetch streams, and the log
+    says so once a minute, not once a fetch."""
+    metrics = StoreMetrics()
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=metrics)
+    directory.start()
+
+    def forbidden(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "open", forbidden)
+
+    async def run() -> list[str | None]:
+        return [await directory.offer(_payload(100, i), None, 0) for i in (1, 2, 3)]
+
+    with caplog.at_level("WARNING", logger="loraserve.store.handover"):
+        assert asyncio.run(run()) == [None] * 3
+    assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1
+    assert metrics.value("loraserve_store_handovers_total", {"outcome": "failed"}) == 3
