@@ -22,7 +22,8 @@ from loraserve.adapter_store.handover import HandoverDirectory
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.payload_file import PayloadKey
 from loraserve.clients.adapter_fetch import FETCH_METHOD, FetchError, fetch_adapter, fetch_adapter_async
-from loraserve.v1 import store_pb2, store_pb2_grpc
+from loraserve.contract.adapter_layout import LAYOUT_VERSION
+from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
 from tests.helpers.store_calls import register
 
 
@@ -177,6 +178,38 @@ def test_a_handover_file_not_asked_for_breaks_the_contract(start_store, shared):
         answer[0].manifest.handover_file = "../" + answer[0].manifest.digest
         with pytest.raises(FetchError, match="not named by its digest"):
             fetch_adapter(Lying(), "x", handover_dir=shared, max_retries=0)
+        # a path as the digest too: the file there (the payload's, here) is not read unhashed
+        inside = shared / "inside"
+        inside.mkdir()
+        answer[0].manifest.digest = answer[0].manifest.handover_file
+        with pytest.raises(FetchError, match="not named by its digest"):
+            fetch_adapter(Lying(), "x", handover_dir=inside, max_retries=0)
+
+
+def test_a_store_that_names_files_after_a_miss_is_refused(tmp_path):
+    """After a file it could not read, a fetch asks for a stream: a store that names a file again
+    breaks the contract (each such answer was taken as one more miss, retried at once, forever)."""
+    manifest = store_pb2.AdapterManifest(
+        adapter=adapter_pb2.AdapterInfo(adapter_id="x"),
+        total_bytes=16,
+        digest="ab" * 32,
+        layout_version=LAYOUT_VERSION,
+        handover_file="ab" * 32,
+    )
+
+    class Insisting:  # names a file that is not there however it was asked
+        calls = 0
+
+        def FetchAdapter(self, request, **kwargs):
+            self.calls += 1
+            if self.calls > 5:
+                raise RuntimeError("the fetch goes round and round")
+            yield store_pb2.FetchAdapterResponse(manifest=manifest)
+
+    store = Insisting()
+    with pytest.raises(FetchError, match="unasked"):
+        fetch_adapter(store, "x", handover_dir=tmp_path, max_retries=0, pin_memory=False)
+    assert store.calls == 2
 
 
 def test_deleting_an_adapter_removes_its_file(start_store, shared):
