@@ -36,7 +36,8 @@ _HELP = {
     "cache_dir_max_bytes": "disk tier bound: bytes of its files (least recently used go first)",
     "handover_dir": "directory shared with workers on this host (a tmpfs such as /dev/shm/...): a worker that "
     "shares it (its --store-handover-dir) gets payloads as files written there instead of streams; the store "
-    "owns it and empties it at start-up (unset: every fetch streams)",
+    "owns it (made when it is not there; no other user may write into it) and removes its files at start-up "
+    "(unset: every fetch streams)",
     "handover_max_bytes": "hand-over directory bound: bytes of its files (least recently handed over go first)",
     "max_pending_registrations": "registrations in flight before RESOURCE_EXHAUSTED",
     "chunk_bytes": "FetchAdapter chunk size (at most 1 MiB)",
@@ -126,10 +127,12 @@ class StoreConfig:
         if self.handover_dir:
             shared = Path(self.handover_dir).resolve()
             taken = [Path(self.data_dir), self.root] + ([tier] if tier is not None else [])
-            if any(shared == p.resolve() or p.resolve().is_relative_to(shared) for p in taken):
+            inside_root = shared.is_relative_to(self.root.resolve())  # the operator's checkpoints
+            if inside_root or any(shared == p.resolve() or p.resolve().is_relative_to(shared) for p in taken):
                 problems.append(
-                    f"handover_dir {self.handover_dir} must be a directory of its own (the store empties it "
-                    "at start-up), not the data dir, adapter root or disk tier, nor above them"
+                    f"handover_dir {self.handover_dir} must be a directory of its own (the store removes its files there "
+                    "at start-up), not the data dir, adapter root or disk tier, nor above them, nor in the "
+                    "adapter root"
                 )
         if problems:
             raise ValueError("invalid store configuration: " + "; ".join(problems))

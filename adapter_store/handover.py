@@ -15,20 +15,23 @@ from the disk tier once its read has been checked (that fetch streams as the fil
 side (not the CPU cache, not the disk tier): the directory is one more tier, in the host's memory,
 shared by every worker there.
 
-The directory is the store's: it removes every file it finds there at start-up (an earlier run's),
-keeps at most `max_bytes` of files (least recently handed over go first) and removes an adapter's
-file when it is deleted. A file handed over within the last `keep_s` seconds is not removed for
-room, so a worker has that long to open it; a worker that finds no file (another host, a file
-removed meanwhile) fetches the payload as a stream instead. Files are written under a temporary
-name and renamed into place complete, so a worker never sees part of one.
+The directory is the store's: a real directory of the store's user that no other user may write
+into (workers trust its files by name), made when it is not there. The store removes the files an
+earlier run left there at start-up (the names it writes: digests, temporaries), keeps at most
+`max_bytes` of files (least recently handed over go first) and removes an adapter's file when it
+is deleted. A file handed over within the last `keep_s` seconds is not removed for room, so a
+worker has that long to open it; a worker that finds no file (another host, a file removed
+meanwhile) fetches the payload as a stream instead. Files are written under a temporary name and
+renamed into place complete, so a worker never sees part of one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
+import re
+import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -41,8 +44,12 @@ from loraserve.contract.payload import PayloadTensor
 
 log = logging.getLogger("loraserve.store.handover")
 
+_NAME_RE = re.compile(r"[0-9a-f]{64}")  # a payload's file: its digest
 _TMP_PREFIX = ".writing-"
 _WRITE_STEP = 8 << 20  # bytes per write call
+# digests whose last discard is remembered; an offer read before the oldest forgotten discard is
+# refused whatever its digest (a stream, never a deleted adapter's file left behind)
+MAX_DISCARDS = 16_384
 
 
 @dataclass(frozen=True)
@@ -75,16 +82,47 @@ class HandoverDirectory:
         self._bytes = 0
         self._writing: dict[str, asyncio.Future[bool]] = {}
         self._soon: set[asyncio.Future[str | None]] = set()  # writes nobody waits for
-        self._warned_full = 0.0
+        self._warned = 0.0  # time.monotonic() of the last failed write logged
+        # digest -> the clock at its last discard, least recent first; the clock counts them
+        self._discards: OrderedDict[str, int] = OrderedDict()
+        self._clock = 0
+        self._floor = 0  # the clock of the latest discard forgotten
 
     def start(self) -> None:
-        """Make the directory (readable by the workers) and remove what an earlier run left."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.directory, 0o755)
+        """Make the directory (readable by the workers) unless it is there, check that it is the
+        store's own, and remove the files an earlier run left: names the store writes only, so a
+        directory given by mistake (/dev/shm, a home) loses nothing else."""
+        try:
+            self.directory.mkdir(parents=True)
+            os.chmod(self.directory, 0o755)  # whatever the umask
+        except FileExistsError:
+            pass
+        self._check_own()
         for path in self.directory.iterdir():
-            if path.is_file() or path.is_symlink():
+            ours = _NAME_RE.fullmatch(path.name) or path.name.startswith(_TMP_PREFIX)
+            if ours and (path.is_file() or path.is_symlink()):
                 path.unlink(missing_ok=True)
         self._gauges()
+
+    def _check_own(self) -> None:
+        """Workers take a file here as the checked payload its name says, unhashed: the directory
+        must be a real one that no other user can write into (not a link, not a shared /tmp)."""
+        st = os.lstat(self.directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(
+                f"handover_dir {self.directory} must be a directory, not a symbolic link or file"
+            )
+        if st.st_uid != os.geteuid():
+            raise ValueError(
+                f"handover_dir {self.directory} is owned by uid {st.st_uid}, not the store's "
+                f"{os.geteuid()}: give the store a directory of its own"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ValueError(
+                f"handover_dir {self.directory} is writable by other users (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): give the store a directory of its own (it makes one "
+                "that is not there)"
+            )
 
     @property
     def bytes(self) -> int:
@@ -93,43 +131,53 @@ class HandoverDirectory:
     def __len__(self) -> int:
         return len(self._files)
 
-    async def offer(self, optimized: OptimizedAdapter, filling: Filling | None) -> str | None:
+    def generation(self) -> int:
+        """The clock now: take it before reading the registry record whose payload is offered."""
+        return self._clock
+
+    async def offer(
+        self, optimized: OptimizedAdapter, filling: Filling | None, generation: int, fetch: bool = True
+    ) -> str | None:
         """The file name of `optimized`'s payload in the directory, written now if it is not there;
-        None when it cannot be (no room, an I/O error): the fetch streams instead. A payload still
-        read from the disk tier (`filling`) is written once its digest has been checked there."""
+        None when it cannot be (no room, an I/O error, its digest discarded since `generation`: a
+        record read before a delete): the fetch streams instead. A payload still read from the disk
+        tier (`filling`) is written once its digest has been checked there. `fetch`: a fetch is
+        handed the file (else it is written for later ones, and one there is not counted)."""
         digest = optimized.digest
-        if filling is None and self.present(digest):
-            return digest
         if filling is not None:
             await filling.verified()  # a damaged disk copy raises here, as its stream would
-            if self.present(digest):
-                return digest
+        if self._discarded(digest, generation):
+            return None
+        if self.present(digest, count=fetch):
+            return digest
         writing = self._writing.get(digest)
         if writing is None:
-            writing = asyncio.ensure_future(self._write(optimized))
+            writing = asyncio.ensure_future(self._write(optimized, generation))
             self._writing[digest] = writing
             writing.add_done_callback(lambda _: self._writing.pop(digest, None))
         if not await asyncio.shield(writing):
             return None
-        return digest if self.present(digest, written=True) is not None else None
+        return digest if self.present(digest, count=False) is not None else None  # counted written
 
-    def offer_soon(self, optimized: OptimizedAdapter, filling: Filling | None = None) -> None:
+    def offer_soon(self, optimized: OptimizedAdapter, filling: Filling | None, generation: int) -> None:
         """Write `optimized`'s file in the background: just registered (its payload is at hand), or
         once the disk tier's read of it (`filling`) has been checked."""
-        task = asyncio.ensure_future(self._offer_quietly(optimized, filling))
+        task = asyncio.ensure_future(self._offer_quietly(optimized, filling, generation))
         self._soon.add(task)
         task.add_done_callback(self._soon.discard)
 
-    async def _offer_quietly(self, optimized: OptimizedAdapter, filling: Filling | None) -> str | None:
+    async def _offer_quietly(
+        self, optimized: OptimizedAdapter, filling: Filling | None, generation: int
+    ) -> str | None:
         try:
-            return await self.offer(optimized, filling)
+            return await self.offer(optimized, filling, generation, fetch=False)
         except Exception as exc:  # a damaged disk copy: the fetch reading it says so
             log.debug("hand-over of %s not written: %s", optimized.digest[:12], exc)
             return None
 
-    def present(self, digest: str, written: bool = False) -> PayloadShape | None:
-        """The payload of `digest` when its file is there (it is then handed out now; `written`: by
-        the asking fetch's own write), else None."""
+    def present(self, digest: str, count: bool = True) -> PayloadShape | None:
+        """The payload of `digest` when its file is there (it is then handed out now, counted as a
+        hand-over of a file there when `count`), else None."""
         entry = self._files.get(digest)
         if entry is None:
             return None
@@ -138,11 +186,11 @@ class HandoverDirectory:
             return None
         entry.handed_out = time.monotonic()
         self._files.move_to_end(digest)
-        if not written:
+        if count:
             self.metrics.handovers.labels("present").inc()
         return entry.shape
 
-    async def _write(self, optimized: OptimizedAdapter) -> bool:
+    async def _write(self, optimized: OptimizedAdapter, generation: int) -> bool:
         digest, size = optimized.digest, optimized.total_bytes
         self._make_room(size)
         try:
@@ -150,9 +198,12 @@ class HandoverDirectory:
         except OSError as exc:
             self.metrics.handovers.labels("failed").inc()
             now = time.monotonic()
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or now - self._warned_full > 60:
-                self._warned_full = now
+            if now - self._warned > 60:  # full, read-only, not permitted: each fetch would say it
+                self._warned = now
                 log.warning("hand-over of %s skipped (streamed instead): %s", digest[:12], exc)
+            return False
+        if self._discarded(digest, generation):  # deleted while written: not left behind
+            self._remove(digest)
             return False
         self._forget(digest)  # (counted once, were it there already)
         self._files[digest] = _File(PayloadShape.of(optimized), time.monotonic())
@@ -169,6 +220,7 @@ class HandoverDirectory:
         view = memoryview(optimized.payload.numpy())  # type: ignore[arg-type]
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         try:
+            os.fchmod(fd, 0o644)  # readable by workers of another user whatever the store's umask
             for start in range(0, len(view), _WRITE_STEP):
                 part = view[start : start + _WRITE_STEP]
                 while part:
@@ -195,10 +247,19 @@ class HandoverDirectory:
             self.metrics.handover_evictions.inc()
 
     def discard(self, digest: str) -> None:
-        """An adapter of this digest was deleted: its file goes (another adapter with the same
-        payload gets it written again on its next fetch)."""
+        """An adapter of this digest was deleted: its file goes, and so does one that an offer of a
+        record read before now writes later (another adapter with the same payload gets it written
+        again on its next fetch)."""
+        self._clock += 1
+        self._discards[digest] = self._clock
+        self._discards.move_to_end(digest)
+        if len(self._discards) > MAX_DISCARDS:
+            _, self._floor = self._discards.popitem(last=False)
         if digest in self._files:
             self._remove(digest)
+
+    def _discarded(self, digest: str, generation: int) -> bool:
+        return generation < self._discards.get(digest, self._floor)
 
     def _remove(self, digest: str) -> None:
         try:

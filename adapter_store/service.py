@@ -187,6 +187,7 @@ class AdapterService:
             alpha_pattern=a.alpha_pattern,
         )
         generation = self.cache.generation()  # a delete after the put below makes it stale
+        handover_since = self.handover.generation() if self.handover is not None else 0  # the same
         try:
             await asyncio.to_thread(self.registry.put, record, overwrite)
         except AlreadyExists:
@@ -203,7 +204,7 @@ class AdapterService:
                 await self.tier.put(record, o)
             self.tier.discard(adapter_id, keep_digest=o.digest)
         if self.handover is not None and current:  # at hand now: workers' first fetches find it
-            self.handover.offer_soon(o)
+            self.handover.offer_soon(o, None, handover_since)
         log.info(
             "registered adapter %s from %s (rank %d, %d bytes, digest %s)",
             adapter_id,

@@ -122,6 +122,7 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
         attributes = {"loraserve.adapter.id": request.adapter_id, "loraserve.offset": request.offset}
         handover = self.service.handover if request.handover and request.offset == 0 else None
         with tracing.span("store.fetch", attributes) as span:  # cache lookup, or a rebuild on a miss
+            since = handover.generation() if handover is not None else 0  # before the record is read
             looked_up = await self.service.fetch_record(request.adapter_id, request.digest)
             record = looked_up[0]
             shape = handover.present(record.digest) if handover is not None else None
@@ -138,12 +139,12 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
             return
         if handover is not None and filling is None:  # in memory: written now, faster than a stream
             with tracing.span("store.handover", attributes):
-                name = await handover.offer(optimized, None)
+                name = await handover.offer(optimized, None, since)
             if name is not None:
                 yield self._handover_manifest(record, optimized)
                 return
         elif handover is not None:  # read from the disk tier: streamed as it is read, its file
-            handover.offer_soon(optimized, filling)  # written for the next fetch once it is checked
+            handover.offer_soon(optimized, filling, since)  # written for the next fetch once it is checked
         note(bytes=optimized.total_bytes - request.offset)
         yield self._manifest(opened.record, optimized)  # a serialized FetchAdapterResponse(manifest=...)
         # The payload stays referenced by `optimized` for the whole stream, even if evicted meanwhile.

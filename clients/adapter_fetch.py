@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from loraserve.v1 import store_pb2
 if TYPE_CHECKING:  # torch is imported where a tensor is made: a download into numpy needs none
     import torch
 
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")  # a hand-over file's name: its payload's sha256
 # A broken stream ends with one of these; anything else (NOT_FOUND, ...) is the server's answer.
 FETCH_METHOD = "/loraserve.v1.AdapterStore/FetchAdapter"
 RETRYABLE = (
@@ -214,9 +216,9 @@ class AdapterDownload:
         """The payload from the store's hand-over file `name`, else (missing, or not the payload's
         size) nothing: the download streams it next."""
         assert self.manifest is not None and self._np is not None
-        if self._handover_dir is None or self.received:
+        if not self.asks_handover or self._handover_dir is None:  # as the request asked
             raise FetchError(f"adapter {self.adapter_id!r}: the store handed over a file unasked")
-        if name != self.manifest.digest:  # also keeps the name a plain file name
+        if name != self.manifest.digest or not _DIGEST_RE.fullmatch(name):  # a plain file name
             raise FetchError(
                 f"adapter {self.adapter_id!r}: hand-over file {name[:80]!r} is not named by its digest"
             )

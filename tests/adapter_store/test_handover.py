@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from loraserve.adapter_store.handover import HandoverDirectory
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.payload_file import PayloadKey
 from loraserve.clients.adapter_fetch import FETCH_METHOD, FetchError, fetch_adapter, fetch_adapter_async
-from loraserve.v1 import store_pb2, store_pb2_grpc
+from loraserve.contract.adapter_layout import LAYOUT_VERSION
+from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
 from tests.helpers.store_calls import register
 
 
@@ -35,6 +37,16 @@ def _written(path: Path) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} was not written"
         time.sleep(0.01)
+
+
+def _settled(store) -> None:
+    """Wait for the writes the store runs in the background (HandoverDirectory.offer_soon)."""
+
+    async def settled() -> None:
+        while store.service.handover._soon:
+            await asyncio.sleep(0.01)
+
+    store.call(settled())
 
 
 def _same(a, b) -> None:
@@ -62,6 +74,21 @@ def test_a_fetch_on_the_stores_host_gets_the_payload_as_a_file(start_store, shar
     assert (shared / info.digest).stat().st_size == info.size_bytes
     assert _handovers(store, "written") == 1 and _handovers(store, "present") == 2
     assert store.service.metrics.value("loraserve_store_handover_files") == 1
+
+
+def test_only_fetches_count_as_handed_over(start_store, shared):
+    """A registration of a payload whose file is there (another id, the same checkpoint) writes
+    nothing and hands nothing over: `present` counts the fetches answered with a file there."""
+    store = start_store(handover_dir=str(shared))
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        info = register(stub, "x", "peft-qv-r8")
+        _written(shared / info.digest)
+        register(stub, "x2", "peft-qv-r8")
+        _settled(store)
+        assert (_handovers(store, "written"), _handovers(store, "present")) == (1, 0)
+        assert fetch_adapter(ch, "x2", handover_dir=shared).handover == "file"
+    assert (_handovers(store, "written"), _handovers(store, "present")) == (1, 1)
 
 
 def test_a_file_there_is_handed_over_without_reading_the_payload(start_store, shared, adapter_root):
@@ -151,6 +178,38 @@ def test_a_handover_file_not_asked_for_breaks_the_contract(start_store, shared):
         answer[0].manifest.handover_file = "../" + answer[0].manifest.digest
         with pytest.raises(FetchError, match="not named by its digest"):
             fetch_adapter(Lying(), "x", handover_dir=shared, max_retries=0)
+        # a path as the digest too: the file there (the payload's, here) is not read unhashed
+        inside = shared / "inside"
+        inside.mkdir()
+        answer[0].manifest.digest = answer[0].manifest.handover_file
+        with pytest.raises(FetchError, match="not named by its digest"):
+            fetch_adapter(Lying(), "x", handover_dir=inside, max_retries=0)
+
+
+def test_a_store_that_names_files_after_a_miss_is_refused(tmp_path):
+    """After a file it could not read, a fetch asks for a stream: a store that names a file again
+    breaks the contract (each such answer was taken as one more miss, retried at once, forever)."""
+    manifest = store_pb2.AdapterManifest(
+        adapter=adapter_pb2.AdapterInfo(adapter_id="x"),
+        total_bytes=16,
+        digest="ab" * 32,
+        layout_version=LAYOUT_VERSION,
+        handover_file="ab" * 32,
+    )
+
+    class Insisting:  # names a file that is not there however it was asked
+        calls = 0
+
+        def FetchAdapter(self, request, **kwargs):
+            self.calls += 1
+            if self.calls > 5:
+                raise RuntimeError("the fetch goes round and round")
+            yield store_pb2.FetchAdapterResponse(manifest=manifest)
+
+    store = Insisting()
+    with pytest.raises(FetchError, match="unasked"):
+        fetch_adapter(store, "x", handover_dir=tmp_path, max_retries=0, pin_memory=False)
+    assert store.calls == 2
 
 
 def test_deleting_an_adapter_removes_its_file(start_store, shared):
@@ -165,15 +224,57 @@ def test_deleting_an_adapter_removes_its_file(start_store, shared):
     assert store.service.metrics.value("loraserve_store_handover_files") == 0
 
 
-def test_the_store_empties_its_directory_at_start(start_store, shared):
+def test_the_store_removes_its_files_at_start_and_nothing_else(start_store, shared):
+    """What an earlier run left (payload files, a write it did not finish) goes; a file or directory
+    of another name is not the store's: a directory given by mistake (/dev/shm, a home) keeps it."""
     shared.mkdir()
-    (shared / "left-by-an-earlier-run").write_bytes(b"x")
+    (shared / ("ab" * 32)).write_bytes(b"x")
+    (shared / ".writing-abc-1-2").write_bytes(b"x")
+    (shared / "someone-elses").write_bytes(b"x")
+    (shared / ("cd" * 32)).mkdir()
     start_store(handover_dir=str(shared))
-    assert list(shared.iterdir()) == []
+    assert sorted(p.name for p in shared.iterdir()) == ["cd" * 32, "someone-elses"]
+
+
+def test_a_directory_the_store_makes_is_readable_by_workers_whatever_the_umask(tmp_path):
+    old = os.umask(0o077)
+    try:
+        HandoverDirectory(tmp_path / "a" / "h", max_bytes=1 << 20, metrics=StoreMetrics()).start()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a" / "h").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_directory_that_is_not_the_stores_own_is_refused(tmp_path, monkeypatch):
+    """Workers trust the files there by name: the store refuses a directory that others may write
+    into (a shared /tmp or /dev/shm), a link, or one of another user, and leaves it as it was."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    left = shared / ("ab" * 32)
+    left.write_bytes(b"x")
+    directory = HandoverDirectory(shared, max_bytes=1 << 20, metrics=StoreMetrics())
+    for mode in (0o1777, 0o775):
+        shared.chmod(mode)
+        with pytest.raises(ValueError, match="writable by other users"):
+            directory.start()
+        assert shared.stat().st_mode & 0o7777 == mode and left.exists()
+    shared.chmod(0o750)
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    with pytest.raises(ValueError, match="not a symbolic link"):
+        HandoverDirectory(link, max_bytes=1 << 20, metrics=StoreMetrics()).start()
+    monkeypatch.setattr(os, "geteuid", lambda: shared.stat().st_uid + 1)
+    with pytest.raises(ValueError, match="owned by uid"):
+        directory.start()
+    assert left.exists()
+    monkeypatch.undo()
+    directory.start()  # its own, not writable by others: taken as it is
+    assert shared.stat().st_mode & 0o7777 == 0o750 and not left.exists()
 
 
 def test_a_handover_directory_must_be_the_stores_own(store_config, tmp_path):
-    for taken in (store_config.data_dir, store_config.adapter_root, str(tmp_path)):
+    root = store_config.adapter_root
+    for taken in (store_config.data_dir, root, str(tmp_path), f"{root}/peft-qv-r8", f"{root}/h"):
         with pytest.raises(ValueError, match="handover_dir"):
             store_config.replace(handover_dir=taken)
     store_config.replace(handover_dir=str(tmp_path / "handover"))
@@ -233,9 +334,9 @@ def test_the_byte_bound_removes_least_recently_handed_over_files(tmp_path):
     directory.start()
 
     async def run() -> list[str | None]:
-        names = [await directory.offer(_payload(1000, i), None) for i in (1, 2, 3)]
-        names.append(await directory.offer(_payload(1000, 1), None))  # 1 is now the most recent
-        names.append(await directory.offer(_payload(1000, 4), None))  # 2 goes
+        names = [await directory.offer(_payload(1000, i), None, 0) for i in (1, 2, 3)]
+        names.append(await directory.offer(_payload(1000, 1), None, 0))  # 1 is now the most recent
+        names.append(await directory.offer(_payload(1000, 4), None, 0))  # 2 goes
         return names
 
     names = asyncio.run(run())
@@ -251,7 +352,7 @@ def test_files_handed_out_recently_are_kept_past_the_bound(tmp_path):
 
     async def run() -> None:
         for i in (1, 2):
-            assert await directory.offer(_payload(1000, i), None) is not None
+            assert await directory.offer(_payload(1000, i), None, 0) is not None
 
     asyncio.run(run())
     assert len(list((tmp_path / "h").iterdir())) == 2  # both within keep_s: a reader may be opening one
@@ -262,13 +363,79 @@ def test_a_file_removed_under_the_store_is_written_again(tmp_path):
     directory.start()
 
     async def run() -> None:
-        name = await directory.offer(_payload(100, 7), None)
+        name = await directory.offer(_payload(100, 7), None, 0)
         assert name is not None
         os.unlink(tmp_path / "h" / name)
-        assert await directory.offer(_payload(100, 7), None) == name
+        assert await directory.offer(_payload(100, 7), None, 0) == name
         assert (tmp_path / "h" / name).read_bytes() == bytes([7]) * 100
 
     asyncio.run(run())
+
+
+def test_files_are_readable_by_workers_whatever_the_umask(tmp_path):
+    """Workers may run as another user (containers of one pod): a file they cannot open costs
+    every fetch of it a round trip, then a stream."""
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=StoreMetrics())
+    directory.start()
+    old = os.umask(0o077)
+    try:
+        name = asyncio.run(directory.offer(_payload(100, 7), None, 0))
+    finally:
+        os.umask(old)
+    assert name is not None and (tmp_path / "h" / name).stat().st_mode & 0o777 == 0o644
+
+
+def test_a_file_is_not_written_for_a_record_read_before_a_delete(tmp_path, monkeypatch):
+    """A fetch read the record, then the adapter was deleted (its file discarded) before the
+    fetch's offer, or while its file was written: no file of the deleted adapter is left behind."""
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=StoreMetrics())
+    directory.start()
+    payload = _payload(100, 7)
+    started, release = threading.Event(), threading.Event()
+    write = HandoverDirectory._write_file
+
+    def held(self, optimized):
+        started.set()
+        assert release.wait(10)
+        write(self, optimized)
+
+    async def run() -> None:
+        since = directory.generation()
+        directory.discard(payload.digest)  # deleted after its record was read
+        assert await directory.offer(payload, None, since) is None
+        monkeypatch.setattr(HandoverDirectory, "_write_file", held)
+        since = directory.generation()
+        offered = asyncio.ensure_future(directory.offer(payload, None, since))
+        await asyncio.to_thread(started.wait, 10)
+        directory.discard(payload.digest)  # deleted while its file is written
+        release.set()
+        assert await offered is None
+        # registered again: written
+        assert await directory.offer(payload, None, directory.generation()) == payload.digest
+
+    asyncio.run(run())
+    assert [p.name for p in (tmp_path / "h").iterdir()] == [payload.digest] and len(directory) == 1
+
+
+def test_a_delete_during_the_registrations_write_leaves_no_file(start_store, shared, monkeypatch):
+    release = threading.Event()
+    write = HandoverDirectory._write_file
+
+    def held(self, optimized):
+        assert release.wait(10)
+        write(self, optimized)
+
+    monkeypatch.setattr(HandoverDirectory, "_write_file", held)
+    store = start_store(handover_dir=str(shared))
+    handover = store.service.handover
+    with grpc.insecure_channel(store.address) as ch:
+        stub = store_pb2_grpc.AdapterStoreStub(ch)
+        register(stub, "x", "peft-qv-r8")  # its file is being written in the background
+        stub.DeleteAdapter(store_pb2.DeleteAdapterRequest(adapter_id="x"))
+    release.set()
+    _settled(store)
+    assert list(shared.iterdir()) == [] and len(handover) == 0
+    assert store.service.metrics.value("loraserve_store_handover_files") == 0
 
 
 def test_no_room_streams_instead(tmp_path, monkeypatch):
@@ -281,7 +448,28 @@ def test_no_room_streams_instead(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "write", full)
 
     async def run() -> str | None:
-        return await directory.offer(_payload(100, 7), None)
+        return await directory.offer(_payload(100, 7), None, 0)
 
     assert asyncio.run(run()) is None
     assert list((tmp_path / "h").iterdir()) == [] and directory.bytes == 0
+
+
+def test_a_directory_it_cannot_write_streams_and_says_so_once_a_minute(tmp_path, monkeypatch, caplog):
+    """A read-only or forbidden directory fails every write: each fetch streams, and the log
+    says so once a minute, not once a fetch."""
+    metrics = StoreMetrics()
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1 << 20, metrics=metrics)
+    directory.start()
+
+    def forbidden(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "open", forbidden)
+
+    async def run() -> list[str | None]:
+        return [await directory.offer(_payload(100, i), None, 0) for i in (1, 2, 3)]
+
+    with caplog.at_level("WARNING", logger="loraserve.store.handover"):
+        assert asyncio.run(run()) == [None] * 3
+    assert len([r for r in caplog.records if "skipped" in r.getMessage()]) == 1
+    assert metrics.value("loraserve_store_handovers_total", {"outcome": "failed"}) == 3

@@ -176,6 +176,27 @@ def test_store_state_is_on_volumes(compose: dict) -> None:
     assert mounts[cfg.data_dir][0] != mounts[str(tier)][0]
 
 
+def test_the_handover_volume_is_the_stores_and_the_workers_read_it(compose: dict) -> None:
+    """The store, running as its image's user (not root), makes its hand-over directory in a tmpfs
+    volume: one mounted with mode 0755 and no uid is root's, and the store could not start. The
+    workers mount that volume read-only at the same path and are given the same directory."""
+    store = compose["services"]["store"]
+    shared = Path(StoreConfig.from_args(store["command"][1:], env=_env(store)).handover_dir or "")
+    mounts = [spec.split(":") for spec in store["volumes"]]
+    ((volume, path, *mode),) = [m for m in mounts if shared.is_relative_to(m[1]) and shared != Path(m[1])]
+    assert mode != ["ro"]
+    opts = compose["volumes"][volume]["driver_opts"]
+    options = dict(o.partition("=")[::2] for o in opts["o"].split(","))
+    dockerfile = (COMPOSE.parent / "Dockerfile.store").read_text()
+    (user,) = re.findall(r"^USER (\d+)$", dockerfile, re.M)
+    assert opts["type"] == "tmpfs" and options["uid"] == user and int(options["mode"], 8) & 0o022 == 0
+    for name in WORKERS:
+        worker = compose["services"][name]
+        cfg = WorkerConfig.from_args(worker["command"][1:], env=_env(worker))
+        assert cfg.store_handover_dir == str(shared), name
+        assert f"{volume}:{path}:ro" in worker["volumes"], name
+
+
 def _loraserve_command(service: dict) -> tuple[str, list[str]] | None:
     """(subcommand, its arguments) of a service that runs the `loraserve` entry point, directly or
     in a shell line; None for anything else (redis, s3, the seed script)."""
