@@ -280,20 +280,29 @@ def test_a_handover_directory_must_be_the_stores_own(store_config, tmp_path):
     store_config.replace(handover_dir=str(tmp_path / "handover"))
 
 
-def test_a_damaged_disk_copy_is_not_handed_over(start_store, shared, tmp_path, monkeypatch):
-    """The disk tier's read finds its copy damaged: the fetch is told to start again, gets the
-    payload rebuilt from the source, and no file of the damaged bytes is ever written."""
-    monkeypatch.setattr(payload_file, "READ_STEP", 4096)
-    tier = tmp_path / "tier"
+def _on_disk_only(start_store, shared: Path, tier: Path):
+    """A store with a hand-over directory and a CPU cache of one adapter: `x` registered, then out
+    of memory (y registered) and its hand-over file removed, so a fetch reads the disk tier's copy;
+    -> (store, x's info, x fetched as a stream)."""
     store = start_store(handover_dir=str(shared), cache_max_adapters=1, cache_dir=str(tier))
     with grpc.insecure_channel(store.address) as ch:
         stub = store_pb2_grpc.AdapterStoreStub(ch)
         info = register(stub, "x", "peft-all-r16-rslora")
         reference = fetch_adapter(ch, "x")
         register(stub, "y", "peft-qv-r8")  # evicts x from memory
-        store.service.tier.flush()
-        _written(shared / info.digest)
-        (shared / info.digest).unlink()  # so the fetch reads the disk tier's copy
+    store.service.tier.flush()
+    _written(shared / info.digest)
+    (shared / info.digest).unlink()
+    return store, info, reference
+
+
+def test_a_damaged_disk_copy_is_not_handed_over(start_store, shared, tmp_path, monkeypatch):
+    """The disk tier's read finds its copy damaged: the fetch is told to start again, gets the
+    payload rebuilt from the source, and no file of the damaged bytes is ever written."""
+    monkeypatch.setattr(payload_file, "READ_STEP", 4096)
+    tier = tmp_path / "tier"
+    store, info, reference = _on_disk_only(start_store, shared, tier)
+    with grpc.insecure_channel(store.address) as ch:
         path = tier / PayloadKey("x", info.digest).file_name
         raw = bytearray(path.read_bytes())
         raw[-10] ^= 0xFF
@@ -305,15 +314,8 @@ def test_a_damaged_disk_copy_is_not_handed_over(start_store, shared, tmp_path, m
 
 
 def test_a_payload_read_from_the_disk_tier_streams_and_is_written_for_the_next(start_store, shared, tmp_path):
-    store = start_store(handover_dir=str(shared), cache_max_adapters=1, cache_dir=str(tmp_path / "tier"))
+    store, info, reference = _on_disk_only(start_store, shared, tmp_path / "tier")
     with grpc.insecure_channel(store.address) as ch:
-        stub = store_pb2_grpc.AdapterStoreStub(ch)
-        info = register(stub, "x", "peft-all-r16-rslora")
-        reference = fetch_adapter(ch, "x")
-        register(stub, "y", "peft-qv-r8")  # evicts x from memory
-        store.service.tier.flush()
-        _written(shared / info.digest)
-        (shared / info.digest).unlink()
         streamed = fetch_adapter(ch, "x", handover_dir=shared)  # a stream beats waiting for the read
         _written(shared / info.digest)
         handed = fetch_adapter(ch, "x", handover_dir=shared)
