@@ -150,6 +150,11 @@ class HandoverDirectory:
             return None
         if self.present(digest, count=fetch):
             return digest
+        if (
+            optimized.total_bytes > self.max_bytes
+        ):  # it would evict every other file, and still pass the bound
+            self.metrics.handovers.labels("too_large").inc()
+            return None
         writing = self._writing.get(digest)
         if writing is None:
             writing = asyncio.ensure_future(self._write(optimized, generation))

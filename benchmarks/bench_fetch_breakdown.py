@@ -267,7 +267,7 @@ def main() -> int:
             args.rank,
             cache_max_adapters=1,
             cache_dir=Path(tier),
-            extra=["--handover-dir", str(handover), "--handover-max-bytes", str(1 << 20)],
+            extra=["--handover-dir", str(handover)],
         ) as (store, address, size):
             streams(address, size, args.repeats, rows)
             asyncio.run(worker_fetches(address, store.pid, args.repeats, rows, handover))

@@ -109,6 +109,14 @@ def positive_int(text: str) -> int:
     return k
 
 
+def nonnegative_int(text: str) -> int:
+    """argparse type of a count that may be 0 (--top-logprobs)."""
+    k = _whole_number(text)
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"need a whole number >= 0, got {k}")
+    return k
+
+
 def stream_interval(text: str) -> int:
     """argparse type of --stream-interval K: GenerateRequest.stream_interval's range."""
     from loraserve.contract.streaming import MAX_STREAM_INTERVAL

@@ -19,6 +19,7 @@ from loraserve.clients.cli_help import DefaultsHelpFormatter
 from loraserve.clients.cli_options import (
     add_json_arg,
     add_tls_args,
+    nonnegative_int,
     positive_int,
     print_json,
     stream_interval,
@@ -128,7 +129,10 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--logprobs", action="store_true", help="print each token's log-probability")
     p.add_argument(
-        "--top-logprobs", type=int, default=0, help="alternatives per token (0..20), implies --logprobs"
+        "--top-logprobs",
+        type=nonnegative_int,
+        default=0,
+        help="alternatives per token (0..20), implies --logprobs",
     )
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty [-2, 2]")

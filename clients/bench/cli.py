@@ -30,7 +30,7 @@ from loraserve.clients.bench.workload import (
     load_prompts,
 )
 from loraserve.clients.cli_help import DefaultsHelpFormatter
-from loraserve.clients.cli_options import add_tls_args, stream_interval
+from loraserve.clients.cli_options import add_tls_args, positive_int, stream_interval
 from loraserve.clients.router import discover_workers
 
 
@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--token", default=os.environ.get("LORASERVE_GENERATE_TOKEN"), help="worker bearer token")
     t.add_argument(
         "--connections",
-        type=int,
+        type=positive_int,
         default=1,
         help="connections to each worker, taken in turn by the requests (a worker with several front "
         "processes, --stream-processes, gets each connection on one of them); not with --openai-url",
@@ -85,17 +85,20 @@ def parser() -> argparse.ArgumentParser:
     )
     load.add_argument(
         "--concurrency",
-        type=int,
+        type=positive_int,
         default=None,
         help="closed loop: requests kept in flight (default 1 without --rate); with --rate: the in-flight cap",
     )
     load.add_argument(
-        "--num-requests", type=int, default=None, help="requests to send (default 100 without --duration)"
+        "--num-requests",
+        type=positive_int,
+        default=None,
+        help="requests to send (default 100 without --duration)",
     )
     load.add_argument("--duration", type=float, default=None, help="seconds to send for")
     load.add_argument(
         "--processes",
-        type=int,
+        type=positive_int,
         default=1,
         help="generator processes sharing the stream (each its own connections and event loop): one "
         "reads a few tens of thousands of streamed messages a second",

@@ -348,6 +348,21 @@ def test_the_byte_bound_removes_least_recently_handed_over_files(tmp_path):
     assert directory.bytes == 3000 and len(directory) == 3
 
 
+def test_a_payload_over_the_bound_is_streamed_not_written(tmp_path):
+    metrics = StoreMetrics()
+    directory = HandoverDirectory(tmp_path / "h", max_bytes=1500, metrics=metrics, keep_s=0.0)
+    directory.start()
+
+    async def run() -> tuple[str | None, str | None]:
+        kept = await directory.offer(_payload(1000, 1), None, 0)
+        return kept, await directory.offer(_payload(2000, 2), None, 0)
+
+    kept, big = asyncio.run(run())
+    assert kept == f"{1:064x}" and big is None
+    assert [p.name for p in (tmp_path / "h").iterdir()] == [kept]  # nothing evicted for it either
+    assert metrics.value("loraserve_store_handovers_total", {"outcome": "too_large"}) == 1
+
+
 def test_files_handed_out_recently_are_kept_past_the_bound(tmp_path):
     directory = HandoverDirectory(tmp_path / "h", max_bytes=1500, metrics=StoreMetrics(), keep_s=60.0)
     directory.start()

@@ -78,6 +78,7 @@ def test_exit_statuses(start_store, capsys) -> None:
         (["--max-tokens", "many"], "--max-tokens: expected a whole number, got 'many'"),
         (["-n", "0"], "-n: need a whole number >= 1, got 0"),
         (["-n", "-1"], "-n: need a whole number >= 1, got -1"),
+        (["--top-logprobs", "-1"], "--top-logprobs: need a whole number >= 0, got -1"),
     ],
 )
 def test_generate_counts_below_one_are_usage_errors(argv, words, capsys) -> None:
