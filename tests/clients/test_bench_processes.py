@@ -133,7 +133,10 @@ def test_the_run_starts_when_every_process_is_ready() -> None:
 def test_the_command_line_refuses_a_process_count_its_load_cannot_share_before_connecting(capsys) -> None:
     from loraserve.clients.bench.cli import bench_main
 
-    for argv in (["--processes", "0"], ["--processes", "3", "--concurrency", "2"]):
-        assert bench_main(["--worker", "127.0.0.1:1", "--num-requests", "10", *argv]) == 1
-        err = capsys.readouterr().err
-        assert "generator process" in err and "UNAVAILABLE" not in err
+    argv = ["--worker", "127.0.0.1:1", "--num-requests", "10"]
+    assert bench_main([*argv, "--processes", "3", "--concurrency", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "generator process" in err and "UNAVAILABLE" not in err
+    with pytest.raises(SystemExit) as usage:  # no count at all: the command line's own error
+        bench_main([*argv, "--processes", "0"])
+    assert usage.value.code == 2 and "--processes: need a whole number >= 1" in capsys.readouterr().err
