@@ -8,6 +8,7 @@ runs them off the event loop.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Protocol
 
 from loraserve.adapter_store.errors import AlreadyExists
+
+log = logging.getLogger("loraserve.store")
 
 
 @dataclass
@@ -48,6 +51,33 @@ class AdapterRecord:
         """The fields in which `other` differs, but created_at (when each was made)."""
         mine, theirs = asdict(self), asdict(other)
         return [k for k in mine if k != "created_at" and mine[k] != theirs[k]]
+
+
+def same_registration(existing: AdapterRecord, record: AdapterRecord) -> AdapterRecord:
+    """`existing` when `record`, just built, registers the same (source, digest and every other
+    field but the time): the request was sent again, as a client does when a reply is lost, so
+    it answers as the first did; else AlreadyExists naming what differs."""
+    adapter_id = record.adapter_id
+    if existing.source != record.source:
+        raise AlreadyExists(
+            f"adapter {adapter_id!r} already exists, registered from {existing.source!r} "
+            "(set overwrite to replace it)"
+        )
+    if existing.digest != record.digest:
+        raise AlreadyExists(
+            f"adapter {adapter_id!r} already exists: {record.source} now optimizes to digest "
+            f"{record.digest}, not the registered digest {existing.digest} (set overwrite to "
+            "replace it)"
+        )
+    differ = existing.differences(record)
+    if differ:
+        changes = ", ".join(f"{k} {getattr(record, k)!r}, not {getattr(existing, k)!r}" for k in differ)
+        raise AlreadyExists(
+            f"adapter {adapter_id!r} already exists: {record.source} now reads as {changes} "
+            "(set overwrite to replace it)"
+        )
+    log.info("adapter %s was registered from %s already: answered its record", adapter_id, record.source)
+    return existing
 
 
 class Registry(Protocol):

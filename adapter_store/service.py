@@ -10,8 +10,6 @@ is read (filling.py)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import time
 from dataclasses import dataclass
@@ -34,13 +32,13 @@ from loraserve.adapter_store.errors import (
 from loraserve.adapter_store.filling import Filling
 from loraserve.adapter_store.flight import SingleFlight
 from loraserve.adapter_store.handover import HandoverDirectory
+from loraserve.adapter_store.ids import check_adapter_id, decode_page_token, encode_page_token
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.optimize import OptimizedAdapter, optimize
 from loraserve.adapter_store.payload_file import CorruptPayload, PayloadReader
-from loraserve.adapter_store.registry import AdapterRecord, Registry
+from loraserve.adapter_store.registry import AdapterRecord, Registry, same_registration
 from loraserve.adapter_store.sources import AdapterSource, SourceResolver
 from loraserve.adapter_store.validate import Limits, LoraAdapter, validate
-from loraserve.contract.adapter_layout import ADAPTER_ID_RE
 from loraserve.serving import tracing
 from loraserve.serving.access_log import note
 
@@ -57,14 +55,6 @@ class OpenedFetch:
     record: AdapterRecord
     adapter: OptimizedAdapter
     filling: Filling | None
-
-
-def check_adapter_id(adapter_id: str) -> None:
-    if not ADAPTER_ID_RE.fullmatch(adapter_id) or ".." in adapter_id:
-        raise InvalidArgument(
-            f"adapter id {adapter_id[:140]!r} is malformed: it must match "
-            f"{ADAPTER_ID_RE.pattern} and not contain '..'"
-        )
 
 
 class AdapterService:
@@ -194,7 +184,7 @@ class AdapterService:
             existing = await asyncio.to_thread(self.registry.get, adapter_id)
             if existing is None:  # deleted since: the client may register again
                 raise
-            return self._registered_already(existing, record)
+            return same_registration(existing, record)
         current = self.cache.put(adapter_id, o, record, generation, registered=True)
         self._cache_gauges()
         if self.tier is not None:
@@ -214,32 +204,6 @@ class AdapterService:
             o.digest[:12],
         )
         return record
-
-    def _registered_already(self, existing: AdapterRecord, record: AdapterRecord) -> AdapterRecord:
-        """`existing` when `record`, just built, registers the same (source, digest and every other
-        field but the time): the request was sent again, as a client does when a reply is lost, so
-        it answers as the first did; else AlreadyExists naming what differs."""
-        adapter_id = record.adapter_id
-        if existing.source != record.source:
-            raise AlreadyExists(
-                f"adapter {adapter_id!r} already exists, registered from {existing.source!r} "
-                "(set overwrite to replace it)"
-            )
-        if existing.digest != record.digest:
-            raise AlreadyExists(
-                f"adapter {adapter_id!r} already exists: {record.source} now optimizes to digest "
-                f"{record.digest}, not the registered digest {existing.digest} (set overwrite to "
-                "replace it)"
-            )
-        differ = existing.differences(record)
-        if differ:
-            changes = ", ".join(f"{k} {getattr(record, k)!r}, not {getattr(existing, k)!r}" for k in differ)
-            raise AlreadyExists(
-                f"adapter {adapter_id!r} already exists: {record.source} now reads as {changes} "
-                "(set overwrite to replace it)"
-            )
-        log.info("adapter %s was registered from %s already: answered its record", adapter_id, record.source)
-        return existing
 
     async def get(self, adapter_id: str) -> AdapterRecord:
         check_adapter_id(adapter_id)
@@ -420,18 +384,3 @@ class AdapterService:
                 "changed since registration (re-register it with overwrite)"
             )
         return optimized
-
-
-def encode_page_token(last_id: str) -> str:
-    return base64.urlsafe_b64encode(last_id.encode()).decode()
-
-
-def decode_page_token(token: str) -> str:
-    if not token:
-        return ""
-    try:
-        after = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
-        check_adapter_id(after)
-    except (binascii.Error, UnicodeDecodeError, ValueError, InvalidArgument):
-        raise InvalidArgument("page_token is malformed (pass next_page_token of the previous page)") from None
-    return after

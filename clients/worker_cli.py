@@ -26,7 +26,8 @@ from loraserve.clients.cli_options import (
 )
 from loraserve.clients.router import WorkerRouter, discover_workers
 from loraserve.clients.tables import format_table
-from loraserve.clients.worker_client import Completion, WorkerClient
+from loraserve.clients.worker_client import WorkerClient
+from loraserve.clients.worker_messages import Completion
 from loraserve.contract.usage import Usage
 from loraserve.v1 import worker_pb2
 

@@ -9,8 +9,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from loraserve.clients.worker_client import Delta, Generation
-from loraserve.clients.worker_client import TokenLogprob as WorkerLogprob
+from loraserve.clients.worker_messages import Delta, Generation
+from loraserve.clients.worker_messages import TokenLogprob as WorkerLogprob
 from loraserve.contract.usage import Usage as WorkerUsage
 from loraserve.gateway.requests import Plan
 from loraserve.gateway.schemas import (

@@ -18,9 +18,9 @@ import torch
 
 from loraserve.adapter_store.checkpoint import MAX_JSON_DEPTH, PeftCheckpoint, parse_config, parse_header
 from loraserve.adapter_store.errors import InvalidArgument
+from loraserve.adapter_store.ids import check_adapter_id
 from loraserve.adapter_store.optimize import optimize
 from loraserve.adapter_store.pattern_keys import check_pattern_key, key_matches
-from loraserve.adapter_store.service import check_adapter_id
 from loraserve.adapter_store.sources import parse_s3
 from loraserve.adapter_store.validate import Limits, activation_limit, module_path, update_bound, validate
 from loraserve.contract.adapter_layout import MODULES, module_shapes

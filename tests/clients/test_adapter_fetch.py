@@ -274,7 +274,7 @@ class _EveryByteThenCut:
         self.payload, self.damaged, self.streams = payload, damaged, 0
 
     def FetchAdapter(self, request, **kwargs):
-        from loraserve.clients.adapter_fetch import LAYOUT_VERSION
+        from loraserve.contract.adapter_layout import LAYOUT_VERSION
 
         self.streams += 1
         digest = hashlib.sha256(self.payload).hexdigest()
