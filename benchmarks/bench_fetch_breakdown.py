@@ -171,6 +171,19 @@ def streams(address: str, size: int, repeats: int, rows: dict[str, list[float]])
             rows[f"receiving side, to the digest checked ({origin})"] = [b for _, b in received]
 
 
+async def settled(directory: Path, quiet_s: float = 0.05, limit_s: float = 5.0) -> None:
+    """Until the store's background hand-over writes into `directory` have ended (no file being
+    written for `quiet_s`): one that ended after the files were removed would put a file back."""
+    deadline = time.monotonic() + limit_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        if any(f.name.startswith(".") for f in directory.iterdir()):
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return
+        await asyncio.sleep(0.005)
+
+
 async def worker_fetches(
     address: str, store_pid: int, repeats: int, rows: dict[str, list[float]], handover: Path
 ) -> None:
@@ -194,6 +207,7 @@ async def worker_fetches(
                     if origin == "disk":
                         await source.fetch("other")
                     if shared and origin != "file there":
+                        await settled(shared)
                         for f in shared.iterdir():
                             f.unlink()
                     pids = [store_pid, *fetch_children()] if i else []

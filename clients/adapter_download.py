@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from loraserve.clients.chunk_sink import ChunkSink, ChunkSinkError
+from loraserve.clients.file_read import read_into
 from loraserve.contract.adapter_layout import DTYPES, ITEMSIZES, LAYOUT_VERSION
 from loraserve.contract.chunk_codec import decode_response
 from loraserve.v1 import store_pb2
@@ -200,13 +201,8 @@ class AdapterDownload:
         try:
             st = os.fstat(fd)
             done = 0
-            if stat.S_ISREG(st.st_mode) and st.st_size == total:
-                view = memoryview(self._np)  # type: ignore[arg-type]
-                while done < total:  # the reads run without the interpreter lock
-                    n = os.readv(fd, [view[done:total]])
-                    if n <= 0:
-                        break
-                    done += n
+            if stat.S_ISREG(st.st_mode) and st.st_size == total:  # read in pieces, at once
+                done = read_into(fd, memoryview(self._np), total)  # type: ignore[arg-type]
         except OSError:
             done = -1
         finally:
