@@ -178,6 +178,31 @@ def test_cancelled_fetches_give_their_segments_back(lora_store):
     assert count <= workers + 2
 
 
+def test_a_segment_gone_before_its_copy_fails_as_unavailable_and_goes_back(lora_store):
+    """The answer's copy out of shared memory runs on the thread reading the process's answers;
+    a segment that went meanwhile fails that fetch as the store being unreachable, its segment
+    goes back to the process, and the next fetch of the same adapter succeeds."""
+
+    async def body(source):
+        source.start()
+        process = source._process
+        real = process._copy_out
+
+        def gone(segment, nbytes):
+            process._copy_out = real  # once
+            raise FileNotFoundError(f"segment {segment} removed (test)")
+
+        process._copy_out = gone
+        with pytest.raises(DependencyUnavailable, match="shared memory went away"):
+            await source.fetch("all-r4")
+        got = await source.fetch("all-r4")
+        return got, _segments(source)
+
+    got, segments = run(_with_source(lora_store.address, body))
+    assert got.adapter_id == "all-r4" and got.rank == 4
+    assert len(segments) == 1  # the failed fetch's segment was given back and reused
+
+
 def test_no_shared_memory_left_falls_back_to_in_process(lora_store):
     async def body(source):
         source.start()
