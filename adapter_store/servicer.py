@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -19,8 +19,6 @@ from loraserve.contract.chunk_codec import REFETCH_KEY, encode_chunk, serialize_
 from loraserve.serving import tracing
 from loraserve.serving.access_log import note
 from loraserve.v1 import adapter_pb2, store_pb2, store_pb2_grpc
-
-T = TypeVar("T")
 
 
 def record_to_pb(r: AdapterRecord) -> adapter_pb2.AdapterInfo:
@@ -164,11 +162,11 @@ class AdapterStoreServicer(store_pb2_grpc.AdapterStoreServicer):
             await _filled(filling.verified(), context)
 
 
-async def _filled(waiting: Awaitable[T], context: grpc.aio.ServicerContext) -> T:
+async def _filled(waiting: Awaitable[None], context: grpc.aio.ServicerContext) -> None:
     """Wait on a disk read (filling.py); once it has found its copy damaged, the client is told
     to fetch again from offset 0 (bytes it received came from that copy)."""
     try:
-        return await waiting
+        await waiting
     except PayloadDamaged:
         context.set_trailing_metadata(((REFETCH_KEY, "1"),))
         raise
