@@ -120,9 +120,7 @@ class _Child:
                     self.release(msg[3])
                 continue
             loop, future = waiting
-            if msg[0] == "ok":  # copied here, so the waiting coroutine resumes once, with the buffer
-                msg = self._copied(msg)
-            _call_on(loop, _resolve, future, msg)
+            _call_on(loop, _resolve, future, msg, self)
         with self.lock:
             self.alive = False
             gone, self.pending = list(self.pending.values()), {}
@@ -131,18 +129,6 @@ class _Child:
         code = self.proc.wait()
         if not self.owner.closing:
             log.warning("the adapter fetch process exited with %s; the next fetch starts another", code)
-
-    def _copied(self, msg: tuple) -> tuple:
-        """An "ok" answer's payload copied out of its segment, which goes back to the process:
-        ("fetched", id, Fetched), or ("gone", id, why) when the segment is no longer there."""
-        _, req, manifest, segment, nbytes, handover = msg
-        try:
-            buffer = self.owner._copy_out(segment, nbytes)
-        except (OSError, ValueError) as exc:  # its process was replaced meanwhile, segments and all
-            return ("gone", req, f"the payload's shared memory went away: {exc}")
-        finally:
-            self.release(segment)
-        return ("fetched", req, Fetched(manifest, buffer, handover))
 
     def end(self) -> None:
         """Kill the process; its reader fails what it still holds, the next fetch starts another."""
@@ -178,8 +164,10 @@ def _call_on(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: ob
         pass
 
 
-def _resolve(future: asyncio.Future[Any], msg: tuple) -> None:
-    if future.cancelled():  # the fetch was cancelled after the answer came (its segment is back)
+def _resolve(future: asyncio.Future[Any], msg: tuple, child: _Child) -> None:
+    if future.cancelled():  # the fetch was cancelled after the answer was sent
+        if msg[0] == "ok":
+            child.release(msg[3])
         return
     future.set_result(msg)
 
@@ -274,14 +262,18 @@ class FetchProcess:
             if kind == "no_room":
                 raise Unavailable(message)
             raise FetchFailure(kind, code, message)
-        if msg[0] == "gone":
-            raise ProcessGone(msg[2])
-        fetched: Fetched = msg[2]
-        return fetched
+        _, _, manifest, segment, nbytes, handover = msg
+        try:
+            buffer = await asyncio.to_thread(self._copy_out, segment, nbytes)
+        except (OSError, ValueError) as exc:  # its process was replaced meanwhile, segments and all
+            raise ProcessGone(f"the payload's shared memory went away: {exc}") from None
+        finally:
+            child.release(segment)
+        return Fetched(manifest, buffer, handover)
 
     def _copy_out(self, segment: str, nbytes: int) -> torch.Tensor:
-        """The payload in `segment`, copied into a buffer of the worker's (on the thread that reads
-        the process's answers; the copy runs without the interpreter lock)."""
+        """The payload in `segment`, copied into a buffer of the worker's (the copy runs without
+        the interpreter lock)."""
         with self._maps_lock:
             mapped = self._maps.get(segment)
             if mapped is None:

@@ -179,9 +179,9 @@ def test_cancelled_fetches_give_their_segments_back(lora_store):
 
 
 def test_a_segment_gone_before_its_copy_fails_as_unavailable_and_goes_back(lora_store):
-    """The answer's copy out of shared memory runs on the thread reading the process's answers;
-    a segment that went meanwhile fails that fetch as the store being unreachable, its segment
-    goes back to the process, and the next fetch of the same adapter succeeds."""
+    """A segment that went before the worker copied its payload out fails that fetch as the store
+    being unreachable, its segment goes back to the process, and the next fetch of the same
+    adapter succeeds."""
 
     async def body(source):
         source.start()
