@@ -47,8 +47,14 @@ class MirroredRegistry:
             raise ValueError("the mirror sets the Redis registry's epoch: make it with adopt=False")
         self.redis, self.copy = redis, copy
         meta = copy.meta()
+        if meta.get("prefix", redis.prefix) != redis.prefix:
+            # a copy of another registry (the store moved to another key prefix): never put back
+            # into this one; it is replaced by this registry's at the first check
+            log.warning("registry copy is of prefix %r, not %r: replaced", meta["prefix"], redis.prefix)
+            meta = {}
         self._copy_epoch: str | None = meta.get("epoch")  # None: a new copy, never in step with Redis
         self._copy_version = int(meta.get("version", "0"))
+        self._foreign = "epoch" not in meta  # what the copy holds is not to be put back
         self._copy_stale = False  # a write to the copy failed: made equal to Redis at the next check
         # writes, restores and copy updates one at a time: the copy takes writes in Redis's order
         self._lock = threading.RLock()
@@ -123,7 +129,7 @@ class MirroredRegistry:
 
     def _restore(self, epoch: str | None, version: int) -> None:
         try:
-            records = self.copy.records()
+            records = [] if self._foreign else self.copy.records()
         except (sqlite3.Error, OSError) as exc:  # nothing to restore from: Redis is taken as it is
             log.error("registry copy unreadable (%s): Redis's registry is not restored from it", exc)
             records = []
@@ -162,11 +168,13 @@ class MirroredRegistry:
         # at the next check
         self._copy_epoch, self._copy_version = epoch, version
         try:
-            self.copy.replace_all(records, {"epoch": epoch, "version": str(version)})
+            self.copy.replace_all(
+                records, {"epoch": epoch, "version": str(version), "prefix": self.redis.prefix}
+            )
         except (sqlite3.Error, OSError) as exc:
             self._copy_failed(exc)  # the file lags what Redis holds: written again at the next check
             return len(records)
-        self._copy_stale = False
+        self._copy_stale = self._foreign = False
         return len(records)
 
     def _copied(self, write: Callable[[], object], version: int) -> None:

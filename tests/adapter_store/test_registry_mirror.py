@@ -1,7 +1,7 @@
 """The Redis registry's copy (MirroredRegistry) against a private redis-server that FLUSHALL
 empties: what Redis lost is put back from the copy, deletions stay deleted, the last writes that a
-Redis lost with its epoch kept are put back too, two stores on one Redis converge, and a copy that
-cannot be written fails no call."""
+Redis lost with its epoch kept are put back too, two stores on one Redis converge, a copy made
+under another key prefix is not put back, and a copy that cannot be written fails no call."""
 
 from __future__ import annotations
 
@@ -45,13 +45,13 @@ def client(server: PrivateRedis):
 
 @pytest.fixture
 def open_mirror(server: PrivateRedis, client, tmp_path: Path):
-    """open_mirror(name) -> a MirroredRegistry whose copy is the file `name` (watch thread idle:
-    the tests call check())."""
+    """open_mirror(name, prefix) -> a MirroredRegistry whose copy is the file `name` (watch thread
+    idle: the tests call check())."""
     opened: list[MirroredRegistry] = []
 
-    def open_(name: str = "copy") -> MirroredRegistry:
+    def open_(name: str = "copy", prefix: str = PREFIX) -> MirroredRegistry:
         m = MirroredRegistry(
-            RedisRegistry(server.url, PREFIX, adopt=False),
+            RedisRegistry(server.url, prefix, adopt=False),
             SqliteRegistry(tmp_path / f"{name}.sqlite3"),
             watch_s=3600,
         )
@@ -96,6 +96,19 @@ def test_a_store_restarted_after_the_loss_restores_the_registry(open_mirror, cli
     m.close()
     client.flushall()
     assert _ids(open_mirror()) == ["a"]
+
+
+def test_a_copy_of_another_prefix_is_not_put_back(open_mirror, client) -> None:
+    m = open_mirror()
+    m.put(_record("a"), overwrite=False)
+    m.close()
+    client.flushall()
+    other = open_mirror(prefix="loraserve-other:")
+    assert _ids(other) == [] and client.keys("loraserve-other:adapter*") == []
+    other.put(_record("b"), overwrite=False)
+    other.close()
+    client.flushall()
+    assert _ids(open_mirror(prefix="loraserve-other:")) == ["b"]  # now it is that prefix's copy
 
 
 def test_writes_lost_with_the_epoch_kept_are_put_back(open_mirror, client) -> None:
