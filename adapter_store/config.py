@@ -19,7 +19,7 @@ from loraserve.serving.settings import SERVER_HELP, config_from_args
 
 _HELP = {
     **SERVER_HELP,
-    "data_dir": "store data directory (SQLite registry when no Redis URL is set)",
+    "data_dir": "store data directory (the SQLite registry, or with Redis the copy of its registry)",
     "adapter_root": "local sources must resolve inside this directory (default DATA_DIR/adapters)",
     "base_model": "base model directory holding config.json (or the config.json itself)",
     "base_model_name": "name adapters must declare as base_model_name_or_path (default: the config's)",
@@ -41,7 +41,7 @@ _HELP = {
     "handover_max_bytes": "hand-over directory bound: bytes of its files (least recently handed over go first)",
     "max_pending_registrations": "registrations in flight before RESOURCE_EXHAUSTED",
     "chunk_bytes": "FetchAdapter chunk size (at most 1 MiB)",
-    "redis_url": "Redis URL for the registry (else SQLite in DATA_DIR)",
+    "redis_url": "Redis URL for the registry (copied to DATA_DIR; else SQLite in DATA_DIR)",
     "redis_prefix": "prefix of every Redis key the store writes",
     "s3_endpoint_url": "S3 endpoint URL (MinIO, moto); default from the AWS configuration",
     "s3_region": "S3 region; default from the AWS configuration",

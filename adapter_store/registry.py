@@ -1,8 +1,9 @@
 """The registry of adapters: what survives a restart of the store.
 
 `SqliteRegistry` keeps it in a file of the data directory; `RedisRegistry` (registry_redis.py)
-under a key prefix shared by the fleet. Both implement `Registry`; calls block, so the service
-runs them off the event loop.
+under a key prefix shared by the fleet, with a `SqliteRegistry` as its copy to restore it from
+(registry_mirror.py). Both implement `Registry`; calls block, so the service runs them off the
+event loop.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class SqliteRegistry:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS adapters (adapter_id TEXT PRIMARY KEY, record TEXT NOT NULL)"
             )
+            # what a copy of another registry knows of the one it copies (registry_mirror.py)
+            self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
     def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
         with self._lock:
@@ -148,6 +151,36 @@ class SqliteRegistry:
                 self._db.execute("ROLLBACK")
                 raise
             return old
+
+    def records(self) -> list[AdapterRecord]:
+        """Every record, in id order."""
+        with self._lock:
+            rows = self._db.execute("SELECT record FROM adapters ORDER BY adapter_id").fetchall()
+        return [AdapterRecord.from_json(r[0]) for r in rows]
+
+    def meta(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._db.execute("SELECT name, value FROM meta").fetchall())
+
+    def set_meta(self, values: dict[str, str]) -> None:
+        with self._lock:
+            self._db.executemany("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", values.items())
+
+    def replace_all(self, records: list[AdapterRecord], meta: dict[str, str]) -> None:
+        """Make the registry hold exactly `records`, and `meta`, in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM adapters")
+                self._db.executemany(
+                    "INSERT INTO adapters (adapter_id, record) VALUES (?, ?)",
+                    [(r.adapter_id, r.to_json()) for r in records],
+                )
+                self._db.executemany("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", meta.items())
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def list(self, after: str, limit: int) -> tuple[list[AdapterRecord], str, int]:
         with self._lock:

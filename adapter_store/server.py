@@ -47,10 +47,15 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_m
 
 
 def open_registry(config: StoreConfig) -> Registry:
+    """SQLite in the data directory, or Redis with a copy there to restore it from when Redis loses it."""
     if config.redis_url:
+        from loraserve.adapter_store.registry_mirror import MirroredRegistry
         from loraserve.adapter_store.registry_redis import RedisRegistry
 
-        return RedisRegistry(config.redis_url, config.redis_prefix)
+        return MirroredRegistry(
+            RedisRegistry(config.redis_url, config.redis_prefix, adopt=False),
+            SqliteRegistry(Path(config.data_dir) / "registry-copy.sqlite3"),
+        )
     return SqliteRegistry(Path(config.data_dir) / "registry.sqlite3")
 
 

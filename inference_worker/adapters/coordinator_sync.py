@@ -9,7 +9,10 @@ what its counts told the fleet with it), live workers and residency (`placement.
 `on_fleet_popularity` (popularity prefetch). A frozen or unreachable Redis stalls only this
 thread: the worker keeps serving what it holds and its view of the cluster is stale by at most the
 stall, then reconciles (the cursor resumes where it stopped; the Redis coordinator republishes its
-shadow).
+shadow). A coordinator that lost its state (its epoch changed: Redis restarted with no persistence,
+or flushed) lost the invalidations this worker had not read yet, too: `on_state_lost` then has the
+worker compare what it holds with the store's registry at once (store_check.py); an empty Redis is
+never read as adapters deleted.
 """
 
 from __future__ import annotations
@@ -45,12 +48,15 @@ class CoordinatorSync:
         popularity: Callable[[], dict[str, float]] | None = None,
         on_fleet_popularity: Callable[[FleetView], object] | None = None,
         fleet_memory: FleetMemory | None = None,
+        on_state_lost: Callable[[], object] | None = None,
     ) -> None:
         self.coordinator, self.worker_id, self.address = coordinator, worker_id, address
         self._apply, self._flush, self._info = apply, flush_residency, heartbeat_info
         self.interval_s, self.poll_s, self.heartbeat_ttl_s = interval_s, poll_s, heartbeat_ttl_s
         self._popularity, self._on_fleet = popularity, on_fleet_popularity
         self._memory = fleet_memory
+        self._on_lost = on_state_lost
+        self._epoch = ""  # the coordinator's epoch seen last ("" before the first round)
         self._cursor = FIRST_EVENT_ID
         self._outbox: list[tuple[str, str, str]] = []  # invalidations to publish
         self._outbox_lock = threading.Lock()
@@ -80,6 +86,19 @@ class CoordinatorSync:
                     self._outbox[:0] = queued[i:]
                 return i
         return len(queued)
+
+    def check_epoch(self) -> bool:
+        """Whether the coordinator lost its state since the last round (its epoch changed); then
+        `on_state_lost` runs. An unreadable epoch ("") changes nothing."""
+        epoch = self.coordinator.epoch()
+        lost = bool(epoch and self._epoch and epoch != self._epoch)
+        if epoch:
+            self._epoch = epoch
+        if lost:
+            log.warning("coordinator state lost (epoch changed): checking the adapters held with the store")
+            if self._on_lost is not None:
+                self._on_lost()
+        return lost
 
     def flush_residency(self) -> int:
         return self._flush()
@@ -134,6 +153,7 @@ class CoordinatorSync:
                 self.poll_invalidations()
                 if time.monotonic() >= next_flush:
                     next_flush = time.monotonic() + self.interval_s
+                    self.check_epoch()
                     self.flush_residency()
                     self.heartbeat()
                     self.share_popularity()

@@ -1,7 +1,10 @@
 """Notices adapters re-registered or deleted at the store by comparing what this worker holds with
 the store's registry (ListAdapters) every `interval_s`, on the event loop, and announces each
 change as an invalidation through the coordinator, so every worker sharing it drops its copy.
-This is how a worker learns of changes when the store and it share no Redis."""
+This is how a worker learns of changes when the store and it share no Redis, and of those whose
+events a Redis that lost its data took with it (`check_soon`, from the coordinator sync). The
+store's listing is the truth here: a store whose registry Redis lost restores it before it answers
+(adapter_store/registry_mirror.py), so an empty Redis never reads as every adapter deleted."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ class StoreCheck:
         self.interval_s = interval_s
         self._published: set[tuple[str, str]] = set()  # (id, digest) already announced
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None  # set: check now, not at the end of the interval
 
     async def check(self) -> int:
         """Publish an invalidation for each held adapter whose digest changed at the store or
@@ -49,10 +54,19 @@ class StoreCheck:
                 log.debug("adapter store check failed: %s", exc)
             except Exception:
                 log.exception("adapter store check failed")
-            await asyncio.sleep(self.interval_s)
+            assert self._wake is not None
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError's alias from 3.11 on
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._wake = loop, asyncio.Event()
         self._task = loop.create_task(self._run())
+
+    def check_soon(self) -> None:
+        """Run the next check now (from any thread); nothing when not started."""
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -73,6 +73,7 @@ class WorkerAdapters:
             popularity=lambda: pool.popularity.top(POPULARITY_TOP),
             on_fleet_popularity=self.ahead.prefetch if prefetch else None,
             fleet_memory=FleetMemory(pool.popularity.half_life_s) if prefetch else None,
+            on_state_lost=self._state_lost,
         )
         self.store_check = (
             StoreCheck(list_digests, pool.known_digests, self.sync.publish_invalidation, interval_s)
@@ -126,6 +127,12 @@ class WorkerAdapters:
         if per_adapter is not None:  # loads by adapter, and residency read from the tiers at scrape
             self.pool.metrics.per_adapter = per_adapter
             per_adapter.residents = lambda: [(a.adapter_id, a.tier) for a in self.pool.list()]
+
+    def _state_lost(self) -> None:
+        """The coordinator lost its state, and with it invalidations not read yet: what this worker
+        holds is compared with the store's registry now (nothing to compare with without a store)."""
+        if self.store_check is not None:
+            self.store_check.check_soon()
 
     def _apply_invalidation(self, event: InvalidationEvent) -> None:
         self.pool.apply_invalidation(event.adapter_id, event.digest)

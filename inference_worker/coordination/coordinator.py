@@ -1,8 +1,11 @@
 """The coordinator interface shared by workers and the store.
 
 Soft state only: each worker's own slot table is the truth and is republished after a
-reconnect. Invalidation events form an append-only log read from a cursor (a Redis Stream in the
-networked implementation), so a reader that was away catches up on what it missed.
+reconnect, and after the coordinator lost its state (a Redis restarted with no persistence, or
+flushed: its epoch changed). Invalidation events form an append-only log read from a cursor (a
+Redis Stream in the networked implementation), so a reader that was away catches up on what it
+missed — unless the log itself was lost with the state: a worker then compares what it holds with
+the store's own registry instead (store_check.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ class WorkerHeartbeat:
 
 @runtime_checkable
 class Coordinator(Protocol):
+    # --- the state's life: an id that changes when the state is lost, never while it is kept ---
+    def epoch(self) -> str:
+        """The epoch; on a change this process's residency and pins are written again (as after
+        an outage) before it returns. "" when it cannot be read now (unreachable)."""
+
     # --- LRU clock: a cluster-wide counter bumped on every adapter use ---
     def tick(self) -> int: ...
 

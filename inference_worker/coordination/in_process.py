@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 from loraserve.inference_worker.coordination.coordinator import (
     FIRST_EVENT_ID,
@@ -26,6 +27,10 @@ class InProcessCoordinator:
         self._events: list[InvalidationEvent] = []
         self._next_event_id = 1
         self._max_events = max_events
+        self._epoch = uuid.uuid4().hex  # this state lives as long as the object: never lost
+
+    def epoch(self) -> str:
+        return self._epoch
 
     def tick(self) -> int:
         with self._lock:

@@ -9,12 +9,16 @@
     {prefix}popular               set of worker ids that published popularity
     {prefix}events                stream of invalidations; the store's registry appends
                                   {event: replaced|deleted, adapter_id, digest} there too
+    {prefix}epoch                 a random id of this keyspace's life, created when absent by
+                                  whoever reads it first (a worker or the store's registry)
 
 Soft state only. When Redis cannot be reached, calls degrade instead of failing the caller (the
 worker's coordination thread must keep going): the clock continues locally, writes are dropped,
 reads return nothing, and for `backoff_s` Redis is not tried again. On the first successful call
 after an outage this worker's residency and pins — kept in a local shadow, the worker's own
-truth — are republished, so Redis converges back.
+truth — are republished, so Redis converges back. The same happens when `epoch()` finds another
+epoch: Redis lost its data (restarted with no persistence, flushed) without this process seeing
+an error; the cluster clock is then also raised back to this process's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +42,30 @@ from loraserve.inference_worker.coordination.coordinator import (
 log = logging.getLogger("loraserve.worker.coordination")
 
 _REASONS = {"replaced": "registered", "registered": "registered", "deleted": "deleted"}
+
+# KEYS[1] - epoch
+# ARGV[1] - the epoch to create when there is none
+# returns the epoch as it is now
+EPOCH_SCRIPT = """
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then
+  redis.call('SET', KEYS[1], ARGV[1])
+  epoch = ARGV[1]
+end
+return epoch
+"""
+
+# KEYS[1] - the cluster LRU clock
+# ARGV[1] - the least value to leave it at (this process's clock)
+# returns the clock as it is now
+CLOCK_FLOOR_SCRIPT = """
+local now = tonumber(redis.call('GET', KEYS[1]) or '0')
+if now < tonumber(ARGV[1]) then
+  now = tonumber(ARGV[1])
+  redis.call('SET', KEYS[1], now)
+end
+return now
+"""
 
 
 class RedisCoordinator:
@@ -63,6 +92,9 @@ class RedisCoordinator:
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         )
         self._errors = (redis.ConnectionError, redis.TimeoutError)
+        self._epoch_script = self._redis.register_script(EPOCH_SCRIPT)
+        self._clock_floor = self._redis.register_script(CLOCK_FLOOR_SCRIPT)
+        self._epoch: str | None = None  # the epoch seen last
         self._backoff_s, self._max_events = backoff_s, max_events
         self._lock = threading.Lock()
         self._down_until = 0.0
@@ -100,6 +132,7 @@ class RedisCoordinator:
             residency = list(self._shadow_residency.values())
             pins = {w: set(p) for w, p in self._shadow_pins.items()}
             own = set(self._own_workers)
+            clock = self._local_clock
         pipe = self._redis.pipeline(transaction=True)
         # replace, not merge: what Redis kept from before the outage may since have been evicted
         for worker in own:
@@ -111,7 +144,24 @@ class RedisCoordinator:
             if adapters:
                 pipe.sadd(self._key("pins", worker), *adapters)
         self._call(pipe.execute)
+        # residency stamped with this clock must not look older than uses stamped after it
+        self._call(lambda: self._clock_floor(keys=[self._key("clock")], args=[clock]))
         log.info("coordination (Redis) back: republished %d residency entries", len(residency))
+
+    # ------------------------------------------------------------------ epoch
+    def epoch(self) -> str:
+        found = self._call(lambda: self._epoch_script(keys=[self._key("epoch")], args=[uuid.uuid4().hex]))
+        if found is None:
+            return ""
+        with self._lock:
+            lost = self._epoch is not None and found != self._epoch
+            self._epoch = str(found)
+        if lost:
+            log.warning(
+                "coordination (Redis) lost its data (its epoch changed): republishing this process's state"
+            )
+            self._republish()
+        return str(found)
 
     # ------------------------------------------------------------------ clock
     def tick(self) -> int:

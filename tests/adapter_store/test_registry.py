@@ -131,17 +131,18 @@ def test_redis_unreachable_is_unavailable() -> None:
 
 
 def _delete_while_listed(monkeypatch, registry, victims: list[str]) -> None:
-    """Another store deletes `victims` between the Redis registry's ZRANGEBYLEX and its MGET."""
-    client = registry._redis
-    mget = client.mget
+    """Another store deletes `victims` between the Redis registry's read of the ids (ZRANGEBYLEX)
+    and its read of their records (MGET). `registry`: a RedisRegistry or a store's MirroredRegistry."""
+    redis_registry = getattr(registry, "redis", registry)
+    read_records = redis_registry._read_records
 
-    def racing_mget(keys, *args):
+    def racing_read(ids, epoch):
         for victim in victims:
             registry.delete(victim)
         victims.clear()
-        return mget(keys, *args)
+        return read_records(ids, epoch)
 
-    monkeypatch.setattr(client, "mget", racing_mget)
+    monkeypatch.setattr(redis_registry, "_read_records", racing_read)
 
 
 def _ids(records: list[AdapterRecord]) -> list[str]:

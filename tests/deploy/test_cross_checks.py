@@ -275,7 +275,7 @@ def test_store_state_is_on_writable_claims(rendered: list[dict]) -> None:
 
 
 def test_redis_keeps_the_registry_on_a_claim(rendered: list[dict]) -> None:
-    """The registry lives in Redis alone: its append-only file, fsynced every second, is in a
+    """The registry is served from Redis: its append-only file, fsynced every second, is in a
     directory on a claim of its pod's own (a StatefulSet's template), which outlives the pod."""
     workload, container = _component(rendered, "redis")
     assert workload["kind"] == "StatefulSet" and "command" not in container

@@ -87,9 +87,9 @@ def test_topology(compose: dict) -> None:
 
 
 def test_redis_keeps_the_registry_in_a_volume(compose: dict) -> None:
-    """The registry lives in Redis alone: a restart that loses it loses every registration (and the
-    workers drop their adapters as deleted). Its append-only file is fsynced every second, in its
-    directory on a named volume, not in the container's own layer."""
+    """The registry is served from Redis: a restart keeps it (the store's copy in its data volume
+    only restores what Redis lost). Its append-only file is fsynced every second, in its directory
+    on a named volume, not in the container's own layer."""
     redis = compose["services"]["redis"]
     options = redis_server_options(redis["command"])
     assert {name: options.get(name) for name in DURABLE} == DURABLE

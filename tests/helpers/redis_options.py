@@ -1,6 +1,6 @@
-"""What the deploy files must ask of Redis, which holds the store's registry and nothing else does:
-an append-only file fsynced every second (a restart, even a kill, loses a second of writes at most),
-read from the `redis-server --name value ...` command line they run it with."""
+"""What the deploy files must ask of Redis, which serves the store's registry: an append-only
+file fsynced every second (a restart, even a kill, loses a second of writes at most), read from
+the `redis-server --name value ...` command line they run it with."""
 
 from __future__ import annotations
 

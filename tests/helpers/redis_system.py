@@ -3,7 +3,7 @@ Redis under running services. The services are imported inside: see store_fixtur
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,17 +26,20 @@ def redis_system(
     adapter_poll_interval_s: float,
     worker_log_level: str = "WARNING",
     store_on_redis: bool = True,
+    redis_options: Sequence[str] | None = None,
 ) -> Iterator[tuple[PrivateRedis, BackgroundStore, BackgroundWorker]]:
     """A private Redis, the demo adapters on local disk, a store and a worker (2 GPU slots, 4 CPU
     slots) on it under `prefix`; all stopped on exit. Without `store_on_redis` the store keeps its
-    registry to itself (SQLite) and only the worker uses Redis."""
+    registry to itself (SQLite) and only the worker uses Redis. `redis_options`: redis-server's (an
+    append-only file by default; `("--save", "", "--appendonly", "no")`: a restart empties it)."""
     from loraserve.adapter_store.config import StoreConfig
     from loraserve.adapter_store.demo import write_demo_adapters
     from loraserve.adapter_store.server import BackgroundStore
     from loraserve.inference_worker.config import WorkerConfig
     from loraserve.inference_worker.server import BackgroundWorker
 
-    server = PrivateRedis(directory)  # stopped at the end: no keys to clean up
+    # stopped at the end: no keys to clean up
+    server = PrivateRedis(directory) if redis_options is None else PrivateRedis(directory, redis_options)
     server.start()
     write_demo_adapters(directory / "adapters", model_dir)
     store = BackgroundStore(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -28,6 +29,15 @@ def coordinator(request) -> Coordinator:
 
 def test_implements_protocol(coordinator):
     assert isinstance(coordinator, Coordinator)
+
+
+def test_epoch_is_stable_while_the_state_is_kept(coordinator):
+    epoch = coordinator.epoch()
+    assert epoch
+    coordinator.put_residency(Residency("w1", "a", "d1", "gpu", 0, coordinator.tick()))
+    coordinator.set_pin("w1", "a", True)
+    coordinator.release_worker("w1")
+    assert coordinator.epoch() == epoch
 
 
 def test_clock_is_monotonic(coordinator):
@@ -142,3 +152,39 @@ def test_redis_outage_degrades_to_local_state():
         assert [r.adapter_id for r in down.residencies("w1")] == ["a"]
     finally:
         down.close()
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server binary")
+def test_a_redis_that_lost_its_data_gets_this_process_state_back(tmp_path) -> None:
+    """FLUSHALL (as a restart with no persistence): no call fails, so only the epoch tells; the
+    next epoch() republishes the residency and pins and raises the cluster clock back."""
+    import redis
+
+    from loraserve.inference_worker.coordination.redis_coordinator import RedisCoordinator
+    from tests.helpers.private_redis import PrivateRedis
+
+    server = PrivateRedis(tmp_path, ("--save", "", "--appendonly", "no"))
+    server.start()
+    c = RedisCoordinator(server.url, "loraserve-lost:")
+    direct = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        epoch = c.epoch()
+        for _ in range(5):
+            last = c.tick()
+        c.put_residency(Residency("w1", "a", "d1", "gpu", 0, last))
+        c.put_residency(Residency("w1", "b", "d2", "cpu", -1, last))
+        c.drop_residency("w1", "b")
+        c.set_pin("w1", "a", True)
+        direct.flushall()
+        assert c.residencies("w1") == [] and c.pins("w1") == set()  # nothing tells, yet
+
+        assert c.epoch() not in ("", epoch)
+        assert [(r.adapter_id, r.last_used) for r in c.residencies("w1")] == [("a", last)]
+        assert c.pins("w1") == {"a"}
+        assert int(direct.get("loraserve-lost:clock")) == last and c.tick() == last + 1
+        assert c.epoch() == c.epoch()  # told once
+    finally:
+        direct.close()
+        c.close()
+        server.stop()
