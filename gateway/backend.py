@@ -3,7 +3,9 @@
 With --redis-url the live workers are read from their heartbeats every `route_refresh_s` (the
 --worker address stands in while none heartbeats) and each request tries them in the order
 `WorkerRouter.candidates` gives: holders of the adapter first, least loaded first. A worker that
-answers UNAVAILABLE before streaming anything is marked down and the next one is tried. Calls go
+answers UNAVAILABLE before streaming anything is marked down and the next one is tried; one whose
+stream brings no first message within its bound (--first-message-timeout-s, else the request's
+deadline) is marked down too, and the request fails with DEADLINE_EXCEEDED. Calls go
 through grpc.aio clients, `worker_connections` per worker address (each its own connection, taken
 in turn: a worker's front processes each get some), opened on the serving loop when first used."""
 
@@ -43,6 +45,7 @@ class Backend:
         self._discovered_at = float("-inf")
         self._base_model = config.model_name
         self._store: AsyncStoreClient | None = None
+        self._first_message_s = config.first_message_timeout_s or None  # 0: the deadline's alone
 
     @property
     def store(self) -> AsyncStoreClient | None:
@@ -180,13 +183,21 @@ class Backend:
             try:
                 with self._routed(view), self._calling(address) as client:
                     # an async generator, typed as an iterator by the client
-                    stream = client.generate_stream(adapter_id=adapter_id, **kw)
+                    stream = client.generate_stream(
+                        adapter_id=adapter_id, first_message_timeout=self._first_message_s, **kw
+                    )
                     async with aclosing(stream) as deltas:  # type: ignore[type-var]
                         async for delta in deltas:
                             started = True
                             yield delta
             except grpc.RpcError as exc:
-                if started or exc.code() not in _RETRYABLE:  # type: ignore[attr-defined]
+                code = exc.code()  # type: ignore[attr-defined]
+                if not started and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # no first message within its bound (FirstMessageTimeout, else the deadline):
+                    # the worker hangs, or queues that long; the next requests go elsewhere
+                    self._mark_down(view)
+                    raise
+                if started or code not in _RETRYABLE:
                     raise
                 self._mark_down(view)
                 last = exc

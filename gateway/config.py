@@ -28,6 +28,9 @@ _HELP = {
     "max_n": "largest n, completions per request",
     "max_stop": "most stop strings per request",
     "request_timeout_s": "deadline of one generation in seconds",
+    "first_message_timeout_s": "seconds a stream may wait for its first token before its worker counts "
+    "as hung: the request fails (504) and the worker is left out of routing for a while (0: the "
+    "request's deadline is that bound; a long queue or prefill then fails no stream before it)",
     "keep_alive_s": "seconds an idle client connection is kept open for its next request",
     "route_refresh_s": "seconds between reads of the fleet's residency and live workers",
     "worker_connections": "connections to each worker, taken in turn by the generations (a worker with "
@@ -55,6 +58,7 @@ class GatewayConfig:
     max_n: int = 16
     max_stop: int = 16
     request_timeout_s: float = 600.0
+    first_message_timeout_s: float = 0.0
     keep_alive_s: float = 75.0
     route_refresh_s: float = 2.0
     worker_connections: int = 1
@@ -73,6 +77,8 @@ class GatewayConfig:
         for name in ("request_timeout_s", "route_refresh_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
+        if self.first_message_timeout_s < 0:
+            problems.append("first_message_timeout_s must be >= 0")
         if problems:
             raise ValueError("invalid gateway configuration: " + "; ".join(problems))
 
