@@ -52,6 +52,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        backend.start()  # the fleet's first read before the first request where it can
         yield
         await backend.close()
 
