@@ -95,7 +95,10 @@ class Backend:
 
     async def _discovering(self) -> None:
         while True:
-            await self._discover()
+            try:
+                await self._discover()
+            except Exception:  # unexpected: the next period reads again rather than none ever
+                log.exception("updating the live workers failed")
             await asyncio.sleep(self.config.route_refresh_s)
 
     async def _discover(self) -> None:
@@ -182,7 +185,7 @@ class Backend:
         client of an attempt is taken (`client`) only when it is made, so each attempt is one turn."""
         if not self.config.redis_url:
             return [(self.config.worker, None)]
-        router = self._router or await self._first_router()
+        router = self._router if self._router is not None else await self._first_router()
         views = await asyncio.to_thread(router.candidates, adapter_id)
         return [(v.address, v) for v in views]
 
