@@ -82,7 +82,7 @@ class Keepalive:
         ]
 
 
-KEEPALIVE = Keepalive()  # the worker clients' default
+KEEPALIVE = Keepalive()  # the default of every client channel to a service: worker and store
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:

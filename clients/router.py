@@ -79,16 +79,17 @@ class WorkerView:
     refreshing: bool = False  # a refresh is in flight
 
 
-def discover_workers(redis_url: str, prefix: str = "loraserve:") -> list[str]:
+def discover_workers(redis_url: str, prefix: str = "loraserve:", timeout_s: float = 2.0) -> list[str]:
     """Addresses of the workers whose heartbeat is alive in Redis. Workers keep the set
     `{prefix}workers` of their ids and, per id, `{prefix}worker:{id}` = JSON {"address", ...}
-    with a TTL, so an expired key means a gone worker."""
+    with a TTL, so an expired key means a gone worker. `timeout_s` bounds the connection and each
+    reply: a Redis that does not answer raises redis.TimeoutError."""
     import json
 
     import redis
 
     client = redis.Redis.from_url(
-        redis_url, socket_connect_timeout=2, socket_timeout=2, decode_responses=True
+        redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=True
     )
     try:
         ids: list[str] = sorted(client.smembers(prefix + "workers"))  # type: ignore[arg-type]

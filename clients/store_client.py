@@ -6,7 +6,9 @@
             print(a.adapter_id, a.rank)
         adapter = store.fetch("my-adapter")   # tensors rebuilt from the stream, digest checked
 
-Failures surface as grpc.RpcError with the store's status code and message.
+Failures surface as grpc.RpcError with the store's status code and message. The channel sends
+HTTP/2 keepalive pings as the worker clients' do (`channel.Keepalive`; None: off): a call to a store
+that is gone, a fetch in mid-stream too, ends UNAVAILABLE within its interval and timeout.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from loraserve.clients.channel import (
+    KEEPALIVE,
     AsyncChannelClient,
     ChannelClient,
+    Keepalive,
     bearer_metadata,
     open_aio_channel,
     open_channel,
@@ -36,16 +40,18 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def _options(tls_server_name: str | None) -> list[tuple[str, object]]:
+def _options(tls_server_name: str | None, keepalive: Keepalive | None) -> list[tuple[str, object]]:
     opts: list[tuple[str, object]] = list(CHANNEL_OPTIONS)
+    if keepalive is not None:
+        opts += keepalive.options()
     if tls_server_name:
         opts.append(("grpc.ssl_target_name_override", tls_server_name))
     return opts
 
 
 class _StoreClientBase:
-    """What both clients share: the channel (sync or grpc.aio, opened by the subclass's `_open`),
-    the stub, the call timeout and the bearer metadata."""
+    """What both clients share: the channel (sync or grpc.aio, opened by the subclass's `_open`)
+    with its keepalive, the stub, the call timeout and the bearer metadata."""
 
     channel: Any
     stub: Any
@@ -60,10 +66,10 @@ class _StoreClientBase:
         root_certificates: bytes | str | Path | None = None,
         tls_server_name: str | None = None,
         timeout: float | None = 60.0,
+        keepalive: Keepalive | None = KEEPALIVE,
     ) -> None:
-        self.channel = self._open(
-            address, tls=tls, root_certificates=root_certificates, options=_options(tls_server_name)
-        )
+        options = _options(tls_server_name, keepalive)
+        self.channel = self._open(address, tls=tls, root_certificates=root_certificates, options=options)
         self.stub = store_pb2_grpc.AdapterStoreStub(self.channel)
         self.timeout = timeout
         self._md = bearer_metadata(token)

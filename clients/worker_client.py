@@ -18,7 +18,8 @@ Without one a unary call gets DEFAULT_TIMEOUT_S, and a stream none, so a long ge
 its end; but such a stream's first message must come within `first_message_timeout`
 (FIRST_MESSAGE_TIMEOUT_S; None: no bound), else the call is cancelled and FirstMessageTimeout
 (DEADLINE_EXCEEDED) raised: a worker that accepts the call and never answers holds no caller for
-good. The channel's keepalive (`channel.Keepalive`; None: off) ends any call to a peer that is
+good. A stream's own `first_message_timeout` bounds its first message whatever its deadline (the
+gateway's --first-message-timeout-s). The channel's keepalive (`channel.Keepalive`; None: off) ends any call to a peer that is
 gone, a stream in mid-generation too, within its interval and timeout (UNAVAILABLE).
 """
 
@@ -131,9 +132,13 @@ class _Base:
         """A unary call's deadline: its own, else the client's, else DEFAULT_TIMEOUT_S."""
         return timeout or self.timeout or DEFAULT_TIMEOUT_S
 
-    def _first_message(self, timeout: float | None) -> float | None:
-        """A stream's bound on its first message: first_message_timeout when the stream has no
-        deadline (its own or the client's), else none, the deadline being the caller's bound."""
+    def _first_message(self, timeout: float | None, bound: float | None = None) -> float | None:
+        """A stream's bound on its first message: the call's own `bound` when it sets one (a caller
+        that takes a worker silent that long for hung, within whatever deadline), else
+        first_message_timeout when the stream has no deadline (its own or the client's), else none,
+        the deadline being the caller's bound."""
+        if bound is not None:
+            return bound
         return None if timeout or self.timeout else self.first_message_timeout
 
 
@@ -149,12 +154,17 @@ class WorkerClient(_Base, ChannelClient):
         return _generation(r)
 
     def generate_stream(
-        self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+        first_message_timeout: float | None = None,
+        **kw,
     ) -> Iterator[Delta]:
         call = self.stub.GenerateStream(
             build_request(prompt, **kw), metadata=self._md(), timeout=timeout or self.timeout
         )
-        watch = _FirstMessageWatch(call, self._first_message(timeout))
+        watch = _FirstMessageWatch(call, self._first_message(timeout, first_message_timeout))
         try:
             for r in call:
                 watch.end()
@@ -221,11 +231,16 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
         )
 
     async def generate_stream(
-        self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+        first_message_timeout: float | None = None,
+        **kw,
     ) -> AsyncIterator[Delta]:
         call = self.open_stream(prompt, timeout=timeout, **kw)
         messages = call.__aiter__()
-        first_s = self._first_message(timeout)
+        first_s = self._first_message(timeout, first_message_timeout)
         try:
             try:
                 first = await asyncio.wait_for(messages.__anext__(), first_s)

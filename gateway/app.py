@@ -52,6 +52,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        backend.start()  # the fleet's first read before the first request where it can
         yield
         await backend.close()
 
@@ -97,15 +98,24 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
 
     @app.get("/v1/models/{model:path}", dependencies=v1)
     async def get_model(model: str) -> Model:
+        """The base model, or an adapter the store holds; `id@digest` only while the store serves
+        that version (the one a generation naming it gets)."""
         base = await backend.base_model()
         if not adapter_for(model, base):
             return Model(id=base, created=started, root=base)
+        adapter_id, at, digest = model.partition("@")
         if backend.store is not None:
             try:
-                return _adapter_model(await backend.store.get(model.split("@", 1)[0]), base)
+                info = await backend.store.get(adapter_id)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
                     raise
+            else:
+                if not at:
+                    return _adapter_model(info, base)
+                if digest == info.digest:
+                    return _adapter_model(info, base).model_copy(update={"id": model})
+                raise unknown_model(model, f"the store serves adapter {adapter_id!r} at another digest")
         raise unknown_model(model)
 
     @app.post("/v1/completions", dependencies=v1)

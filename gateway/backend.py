@@ -1,9 +1,14 @@
 """Where the gateway's generations go: one worker, or the fleet through the adapter-aware router.
 
-With --redis-url the live workers are read from their heartbeats every `route_refresh_s` (the
---worker address stands in while none heartbeats) and each request tries them in the order
+With --redis-url the live workers are read from their heartbeats every `route_refresh_s` by a task
+of its own, never inside a request: a slow or unreachable Redis stalls no request, which routes
+over the last workers read (the --worker address stands in while none heartbeats). Only a request
+that comes before any read ended waits for the first one, at most --redis-timeout-s; then --worker
+stands in, else it fails UNAVAILABLE (503). Each request tries the workers in the order
 `WorkerRouter.candidates` gives: holders of the adapter first, least loaded first. A worker that
-answers UNAVAILABLE before streaming anything is marked down and the next one is tried. Calls go
+answers UNAVAILABLE before streaming anything is marked down and the next one is tried; one whose
+stream brings no first message within its bound (--first-message-timeout-s, else the request's
+deadline) is marked down too, and the request fails with DEADLINE_EXCEEDED. Calls go
 through grpc.aio clients, `worker_connections` per worker address (each its own connection, taken
 in turn: a worker's front processes each get some), opened on the serving loop when first used."""
 
@@ -11,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import AbstractContextManager, aclosing, contextmanager, nullcontext, suppress
 from typing import Any
@@ -40,9 +44,12 @@ class Backend:
         self._idle: dict[ClientTurns, asyncio.Event] = {}
         self._router: WorkerRouter | None = None
         self._fleet: tuple[str, ...] = ()
-        self._discovered_at = float("-inf")
+        self._discovery: asyncio.Task[None] | None = None  # reads the live workers (`_discovering`)
+        self._read = asyncio.Event()  # set once a read of Redis ended, answered or not
+        self._unread = ""  # why the last read of Redis failed; "" when it answered
         self._base_model = config.model_name
         self._store: AsyncStoreClient | None = None
+        self._first_message_s = config.first_message_timeout_s or None  # 0: the deadline's alone
 
     @property
     def store(self) -> AsyncStoreClient | None:
@@ -80,19 +87,44 @@ class Backend:
                 if turns in self._idle:
                     self._idle[turns].set()
 
+    def start(self) -> None:
+        """Start reading the live workers from Redis (a task on the serving loop; the first request
+        starts it where the application's start-up did not)."""
+        if self.config.redis_url and self._discovery is None:
+            self._discovery = asyncio.ensure_future(self._discovering())
+
+    async def _discovering(self) -> None:
+        while True:
+            try:
+                await self._discover()
+            except Exception:  # unexpected: the next period reads again rather than none ever
+                log.exception("updating the live workers failed")
+            await asyncio.sleep(self.config.route_refresh_s)
+
     async def _discover(self) -> None:
-        """Rebuild the router when the set of live workers changed."""
-        now = time.monotonic()
-        if now - self._discovered_at < self.config.route_refresh_s:
-            return
-        self._discovered_at = now
+        """One read of the live workers (bounded by redis_timeout_s); the router is rebuilt when
+        they changed. A read that fails keeps the workers known."""
         assert self.config.redis_url
         try:
-            live = await asyncio.to_thread(discover_workers, self.config.redis_url, self.config.redis_prefix)
-        except Exception as exc:  # Redis down: keep routing over what we knew
-            log.warning("cannot read the live workers from Redis: %s", exc)
+            live = await asyncio.to_thread(
+                discover_workers,
+                self.config.redis_url,
+                self.config.redis_prefix,
+                timeout_s=self.config.redis_timeout_s,
+            )
+        except Exception as exc:  # Redis down or silent: keep routing over what we knew
+            if not self._unread:  # once per outage
+                log.warning("cannot read the live workers from Redis: %s", exc)
+            self._unread = str(exc) or type(exc).__name__
             live = list(self._fleet)
-        fleet = tuple(sorted(set(live))) or ((self.config.worker,) if self.config.worker else ())
+        else:
+            self._unread = ""
+        finally:
+            self._read.set()
+        self._use(tuple(sorted(set(live))) or ((self.config.worker,) if self.config.worker else ()))
+
+    def _use(self, fleet: tuple[str, ...]) -> None:
+        """Route over `fleet` from now on (a new router when it changed; none for no worker)."""
         if fleet and fleet != self._fleet:
             old, self._router = (
                 self._router,
@@ -103,6 +135,29 @@ class Backend:
                 old.close()
             for address in [a for a in self._clients if a not in fleet and a != self.config.worker]:
                 self._retire(self._clients.pop(address))
+
+    async def _first_router(self) -> WorkerRouter:
+        """The router of a request that comes before any worker is known: it waits for the first
+        read of Redis to end, at most redis_timeout_s; then --worker stands in, else UNAVAILABLE."""
+        self.start()
+        with suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._read.wait(), self.config.redis_timeout_s)
+        if self._router is None and self.config.worker:
+            self._use((self.config.worker,))
+        if self._router is not None:
+            return self._router
+        if self._unread:
+            why = f"the live workers cannot be read from Redis: {self._unread}"
+        elif not self._read.is_set():
+            why = f"Redis has not answered the read of the live workers within {self.config.redis_timeout_s:g} s"
+        else:
+            why = "none heartbeats in Redis"
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details=f"no inference worker is known ({why}, and no --worker given)",
+        )
 
     def _retire(self, turns: ClientTurns) -> None:
         """Close a departed worker's clients as soon as no call runs on them, cancelling those still
@@ -130,15 +185,8 @@ class Backend:
         client of an attempt is taken (`client`) only when it is made, so each attempt is one turn."""
         if not self.config.redis_url:
             return [(self.config.worker, None)]
-        await self._discover()
-        if self._router is None:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details="no inference worker is live (none heartbeats in Redis, and no --worker given)",
-            )
-        views = await asyncio.to_thread(self._router.candidates, adapter_id)
+        router = self._router if self._router is not None else await self._first_router()
+        views = await asyncio.to_thread(router.candidates, adapter_id)
         return [(v.address, v) for v in views]
 
     def _mark_down(self, view: WorkerView | None) -> None:
@@ -180,13 +228,21 @@ class Backend:
             try:
                 with self._routed(view), self._calling(address) as client:
                     # an async generator, typed as an iterator by the client
-                    stream = client.generate_stream(adapter_id=adapter_id, **kw)
+                    stream = client.generate_stream(
+                        adapter_id=adapter_id, first_message_timeout=self._first_message_s, **kw
+                    )
                     async with aclosing(stream) as deltas:  # type: ignore[type-var]
                         async for delta in deltas:
                             started = True
                             yield delta
             except grpc.RpcError as exc:
-                if started or exc.code() not in _RETRYABLE:  # type: ignore[attr-defined]
+                code = exc.code()  # type: ignore[attr-defined]
+                if not started and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # no first message within its bound (FirstMessageTimeout, else the deadline):
+                    # the worker hangs, or queues that long; the next requests go elsewhere
+                    self._mark_down(view)
+                    raise
+                if started or code not in _RETRYABLE:
                     raise
                 self._mark_down(view)
                 last = exc
@@ -212,6 +268,10 @@ class Backend:
         return [a async for a in self.store.list()]
 
     async def close(self) -> None:
+        if self._discovery is not None:  # (a read in flight ends in its thread by redis_timeout_s)
+            self._discovery.cancel()
+            await asyncio.gather(self._discovery, return_exceptions=True)
+            self._discovery = None
         for turns in self._clients.values():
             await turns.close()
         self._clients.clear()

@@ -28,8 +28,13 @@ _HELP = {
     "max_n": "largest n, completions per request",
     "max_stop": "most stop strings per request",
     "request_timeout_s": "deadline of one generation in seconds",
+    "first_message_timeout_s": "seconds a stream may wait for its first token before its worker counts "
+    "as hung: the request fails (504) and the worker is left out of routing for a while (0: the "
+    "request's deadline is that bound; a long queue or prefill then fails no stream before it)",
     "keep_alive_s": "seconds an idle client connection is kept open for its next request",
     "route_refresh_s": "seconds between reads of the fleet's residency and live workers",
+    "redis_timeout_s": "bound of one read of the live workers from Redis in seconds; a request that "
+    "comes before the first read ended waits at most this long for it",
     "worker_connections": "connections to each worker, taken in turn by the generations (a worker with "
     "several front processes, --stream-processes, gets each connection on one of them)",
     "otlp_endpoint": "export OpenTelemetry traces over OTLP/gRPC to this URL, e.g. http://collector:4317 "
@@ -55,8 +60,10 @@ class GatewayConfig:
     max_n: int = 16
     max_stop: int = 16
     request_timeout_s: float = 600.0
+    first_message_timeout_s: float = 0.0
     keep_alive_s: float = 75.0
     route_refresh_s: float = 2.0
+    redis_timeout_s: float = 2.0
     worker_connections: int = 1
     otlp_endpoint: str = ""
     log_level: str = "INFO"
@@ -70,9 +77,11 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_prompt_chars", "max_n", "max_stop", "worker_connections"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
-        for name in ("request_timeout_s", "route_refresh_s", "keep_alive_s"):
+        for name in ("request_timeout_s", "route_refresh_s", "redis_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
+        if self.first_message_timeout_s < 0:
+            problems.append("first_message_timeout_s must be >= 0")
         if problems:
             raise ValueError("invalid gateway configuration: " + "; ".join(problems))
 

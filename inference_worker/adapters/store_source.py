@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from loraserve.clients.channel import bearer_metadata
+from loraserve.clients.channel import KEEPALIVE, Keepalive, bearer_metadata
 from loraserve.contract.payload import PayloadTensor
 from loraserve.inference_worker.errors import (
     AdapterCorrupt,
@@ -54,7 +54,9 @@ CHANNEL_OPTIONS = [
 
 class StoreSource:
     """One sync channel to the store and `max_fetches` fetch threads, made on first use; fetches
-    and listings run on the threads."""
+    and listings run on the threads. Every channel to the store (this one, the fetch process's)
+    sends the clients' keepalive pings: a fetch from a store whose host went away, or whose process
+    is stopped, ends UNAVAILABLE within the keepalive's interval and timeout, not at its deadline."""
 
     def __init__(
         self,
@@ -67,10 +69,13 @@ class StoreSource:
         max_fetches: int = 4,
         fetch_process: bool = False,
         handover_dir: str | None = None,
+        keepalive: Keepalive | None = KEEPALIVE,
     ) -> None:
         """fetch_process: fetch in a child process (inference_worker/fetching) where shared memory
-        allows; handover_dir: the store's hand-over directory on this host (clients/adapter_fetch.py)."""
+        allows; handover_dir: the store's hand-over directory on this host (clients/adapter_fetch.py);
+        keepalive: the channels' pings (None: none)."""
         self.address = address
+        self.channel_options = [*CHANNEL_OPTIONS, *(keepalive.options() if keepalive is not None else ())]
         self._metadata: Sequence[tuple[str, str]] | None = bearer_metadata(token)
         self._timeout_s, self._max_retries = timeout_s, max_retries
         self._tls_root_cert = tls_root_cert
@@ -90,7 +95,7 @@ class StoreSource:
                     max_retries=max_retries,
                     tls_root_cert=tls_root_cert,
                     max_fetches=max_fetches,
-                    options=CHANNEL_OPTIONS,
+                    options=self.channel_options,
                     handover_dir=handover_dir,
                 )
             else:
@@ -118,7 +123,7 @@ class StoreSource:
             )
         if self._channel is None:
             self._channel = open_channel(
-                self.address, root_certificates=self._tls_root_cert, options=CHANNEL_OPTIONS
+                self.address, root_certificates=self._tls_root_cert, options=self.channel_options
             )
         try:
             return await asyncio.get_running_loop().run_in_executor(self._threads, call, self._channel)

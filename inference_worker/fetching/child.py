@@ -121,7 +121,8 @@ class Child:
         workers = int(config["max_fetches"])
         # one connection to the store per fetch thread: gRPC works one connection's bytes on one
         # thread at a time, so fetches sharing a connection share its pace (a pool of its own keeps
-        # each channel's connection apart from the others')
+        # each channel's connection apart from the others'); the options are the worker's own
+        # (StoreSource.channel_options: its keepalive with them)
         self.channels: list[grpc.Channel] = [
             open_channel(
                 config["address"],

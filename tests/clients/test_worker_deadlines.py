@@ -74,6 +74,29 @@ def test_a_stream_with_a_deadline_waits_for_its_first_message_as_long_as_that() 
         assert asyncio.run(go()) == [[0], [1]]
 
 
+def test_a_stream_s_own_first_message_bound_holds_whatever_its_deadline() -> None:
+    """A call's own first_message_timeout (the gateway's --first-message-timeout-s) bounds its first
+    message within a deadline too, in either client."""
+    worker = FakeWorker()
+    worker.hung_generations = True
+    with fake_workers(worker) as (address,):
+        with WorkerClient(address, timeout=20.0) as client:
+            stream = client.generate_stream([1], max_tokens=2, first_message_timeout=0.3)
+            code, took = _failure(lambda: list(stream))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 3.0
+
+        async def go() -> float:
+            async with AsyncWorkerClient(address, timeout=20.0) as client:
+                t0 = time.monotonic()
+                with pytest.raises(FirstMessageTimeout, match="no message within 0.3 s"):
+                    async for _ in client.generate_stream([1], max_tokens=2, first_message_timeout=0.3):
+                        pass
+                return time.monotonic() - t0
+
+        assert asyncio.run(go()) < 3.0
+        _wait_for(lambda: worker.cancelled == 2)
+
+
 def test_unary_calls_without_a_timeout_end_at_the_default_deadline(monkeypatch) -> None:
     monkeypatch.setattr(worker_client, "DEFAULT_TIMEOUT_S", 0.5)
     worker = FakeWorker()

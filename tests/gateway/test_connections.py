@@ -64,7 +64,6 @@ def test_each_worker_takes_its_connections_in_turn_whatever_the_router_s_order()
     backend._router = SimpleNamespace(  # type: ignore[assignment]
         candidates=candidates, routed=lambda v: contextlib.nullcontext(), note_use=lambda v, a: None
     )
-    backend._discovered_at = float("inf")  # (no Redis read)
 
     async def go() -> None:
         for a in ("a:1", "b:1"):  # the backend's own clients, each answering as a fake
@@ -129,13 +128,12 @@ def departing_backend(monkeypatch, address: str) -> Backend:
 
     fleets = [[STAYS, address]]
     monkeypatch.setattr(
-        backend_module, "discover_workers", lambda url, prefix: fleets.pop() if fleets else [STAYS]
+        backend_module, "discover_workers", lambda url, prefix, **kw: fleets.pop() if fleets else [STAYS]
     )
     return Backend(GatewayConfig(redis_url="redis://127.0.0.1:1", worker_connections=2, request_timeout_s=60))
 
 
 async def depart(backend: Backend) -> None:
-    backend._discovered_at = float("-inf")
     await backend._discover()
 
 

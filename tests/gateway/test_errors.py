@@ -60,6 +60,26 @@ def test_the_base_model_takes_no_digest(client) -> None:
     assert client.completions.create(model=base, prompt="Hi", max_tokens=2).model == base
 
 
+def test_an_adapter_s_digest_is_the_one_the_store_serves(client, gateway_store) -> None:
+    """GET /v1/models/id@digest: the adapter while the store serves that version of it, else the
+    404 of an unknown model (a malformed digest too)."""
+    from loraserve.clients.store_client import StoreClient
+
+    with StoreClient(gateway_store.address, timeout=30) as store:
+        digest = store.get(ADAPTERS[0]).digest
+    for other in ("0" * 64, digest.upper(), digest[:-1], "xyz", ""):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(f"{ADAPTERS[0]}@{other}")
+        words = f"{ADAPTERS[0]}@{other}"
+        _assert_error(e.value, 404, "not_found_error", words, "model_not_found", "model")
+    model = f"{ADAPTERS[0]}@{digest}"
+    got = client.models.retrieve(model)
+    assert (got.id, got.root, got.object) == (model, ADAPTERS[0], "model")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve(f"no-such-adapter@{digest}")
+    _assert_error(e.value, 404, "not_found_error", "no-such-adapter", "model_not_found", "model")
+
+
 @pytest.mark.parametrize(
     ("kw", "words", "code", "param"),
     [
