@@ -9,7 +9,10 @@ that a watch thread (every `watch_s`) can compare them with Redis at the cost of
     Redis's epoch other than the copy's (or none), or its version below the copy's
         -> Redis lost the registry, or its last writes: every record of the copy that Redis does
            not hold is put back, the epoch re-created where there is none, then the copy made
-           equal to Redis (records another store registered are kept, not removed);
+           equal to Redis (records another store registered are kept, not removed); nothing is
+           put back where another store already put back a copy of the same epoch at the same
+           version or a later one (Redis's registry:restored): what this copy holds more was
+           deleted since, maybe after the loss, through that store;
     Redis's version above the copy's (another store wrote, or a copy write failed)
         -> the copy is made equal to Redis.
 
@@ -128,23 +131,32 @@ class MirroredRegistry:
         raise Unavailable("registry (Redis) lost its data again while it was restored; retry")
 
     def _restore(self, epoch: str | None, version: int) -> None:
+        known = None if self._foreign else self._copy_epoch  # the epoch whose registry the copy holds
         try:
-            records = [] if self._foreign else self.copy.records()
+            records = [] if known is None else self.copy.records()
         except (sqlite3.Error, OSError) as exc:  # nothing to restore from: Redis is taken as it is
             log.error("registry copy unreadable (%s): Redis's registry is not restored from it", exc)
-            records = []
+            records, known = [], None
+        held, why = len(records), ""
+        if known is not None and self.redis.restored(known) >= self._copy_version:
+            # another store put back a copy of that epoch that knew as much as this one, or more:
+            # what this copy holds beyond it was deleted since (before the loss, or after it)
+            records, why = [], " (another store put back a copy that knew as much)"
         restored = self.redis.restore(records) if records else 0
-        now, _ = self.redis.claim(uuid.uuid4().hex, self._copy_version)
+        # a copy whose file lags what it knows (a failed write) is not recorded: others put theirs back
+        mark = known if known is not None and not self._copy_stale else ""
+        now, _ = self.redis.claim(uuid.uuid4().hex, self._copy_version, mark)
         if self._copy_epoch is not None:
             log.warning(
                 "registry (Redis) lost its data (epoch %s, version %d; the copy knew epoch %s, version "
-                "%d): restored %d of the copy's %d adapters",
+                "%d): restored %d of the copy's %d adapters%s",
                 epoch,
                 version,
                 self._copy_epoch,
                 self._copy_version,
                 restored,
-                len(records),
+                held,
+                why,
             )
         fresh = self._copy_epoch is None
         self.redis.epoch = now

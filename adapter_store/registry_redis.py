@@ -7,7 +7,10 @@
     {prefix}epoch              a random id of this keyspace's life: created when absent (by the
                                store or a worker's coordinator), so a Redis that lost its data
                                (restarted with no persistence, flushed) has none or another one
-    {prefix}registry:version   integer, bumped by every registry write
+    {prefix}registry:version   integer, bumped by every registry write (a restore's too)
+    {prefix}registry:restored  hash: the epoch of a copy put back -> the highest copy version put
+                               back from it, so that a store whose copy knows no more puts back
+                               nothing (not the adapters deleted since: registry_mirror.py)
 
 Each multi-key update is one Lua script, so the record, the index, the version and the event
 change together; each script and each read runs only while the epoch is the one this registry
@@ -83,20 +86,23 @@ redis.call('SET', KEYS[4], version .. '|' .. old, 'EX', ARGV[2])
 return {1, version, old}
 """
 
-# KEYS[1] - id index, KEYS[2..n+1] - record keys
-# ARGV[1..n] - the adapter ids of KEYS[2..n+1], in that order, ARGV[n+1..2n] - their record JSON
-# returns how many records were absent and were put back (a record present is left as it is)
+# KEYS[1] - id index, KEYS[2] - registry version, KEYS[3..n+2] - record keys
+# ARGV[1..n] - the adapter ids of KEYS[3..n+2], in that order, ARGV[n+1..2n] - their record JSON
+# returns how many records were absent and were put back (a record present is left as it is); the
+# version is bumped when any was, as by every registry write: stores in step with Redis follow
 RESTORE_SCRIPT = """
-local n, restored = #KEYS - 1, 0
+local n, restored = #KEYS - 2, 0
 for i = 1, n do
-  if redis.call('SET', KEYS[i + 1], ARGV[n + i], 'NX') then restored = restored + 1 end
+  if redis.call('SET', KEYS[i + 2], ARGV[n + i], 'NX') then restored = restored + 1 end
   redis.call('ZADD', KEYS[1], 0, ARGV[i])
 end
+if restored > 0 then redis.call('INCR', KEYS[2]) end
 return restored
 """
 
-# KEYS[1] - epoch, KEYS[2] - registry version
-# ARGV[1] - the epoch to create when there is none, ARGV[2] - the least version to leave
+# KEYS[1] - epoch, KEYS[2] - registry version, KEYS[3] - the copies put back (epoch -> version)
+# ARGV[1] - the epoch to create when there is none, ARGV[2] - the least version to leave, ARGV[3] -
+# the epoch of the copy just put back ("" for none: ARGV[2] is then not recorded for it)
 # returns {epoch, version} as they are now
 CLAIM_SCRIPT = """
 local epoch = redis.call('GET', KEYS[1])
@@ -108,6 +114,9 @@ local version = tonumber(redis.call('GET', KEYS[2]) or '0')
 if version < tonumber(ARGV[2]) then
   version = tonumber(ARGV[2])
   redis.call('SET', KEYS[2], version)
+end
+if ARGV[3] ~= '' and tonumber(redis.call('HGET', KEYS[3], ARGV[3]) or '-1') < tonumber(ARGV[2]) then
+  redis.call('HSET', KEYS[3], ARGV[3], ARGV[2])
 end
 return {epoch, version}
 """
@@ -151,6 +160,7 @@ class RedisRegistry:
         self.events_key = f"{prefix}events"
         self.epoch_key = f"{prefix}epoch"
         self.version_key = f"{prefix}registry:version"
+        self.restored_key = f"{prefix}registry:restored"
         self.epoch: str | None = None  # the epoch every call checks
         self.adopt = adopt
 
@@ -198,20 +208,29 @@ class RedisRegistry:
         epoch, version = self._call(read)
         return (epoch.decode() if isinstance(epoch, bytes) else epoch), int(version or 0)
 
-    def claim(self, epoch: str, min_version: int) -> tuple[str, int]:
+    def claim(self, epoch: str, min_version: int, restored_from: str = "") -> tuple[str, int]:
         """Create the epoch (as `epoch`) when Redis has none and raise the version to at least
-        `min_version`; -> (epoch, version) as they are now."""
+        `min_version`; `restored_from`: the epoch of a copy, at `min_version`, just put back
+        (`restored`); -> (epoch, version) as they are now."""
         found, version = self._call(
-            self._claim, keys=[self.epoch_key, self.version_key], args=[epoch, min_version]
+            self._claim,
+            keys=[self.epoch_key, self.version_key, self.restored_key],
+            args=[epoch, min_version, restored_from],
         )
         return (found.decode() if isinstance(found, bytes) else found), int(version)
 
+    def restored(self, epoch: str) -> int:
+        """The highest version of a copy of registry epoch `epoch` put back into this one; -1: none."""
+        found = self._call(self._redis.hget, self.restored_key, epoch)
+        return int(found) if found is not None else -1
+
     def restore(self, records: list[AdapterRecord]) -> int:
-        """Put back each of `records` that Redis does not hold (whatever the epoch); -> how many."""
+        """Put back each of `records` that Redis does not hold (whatever the epoch), bumping the
+        version when any was; -> how many."""
         restored = 0
         for i in range(0, len(records), RESTORE_BATCH):
             batch = records[i : i + RESTORE_BATCH]
-            keys = [self.index_key, *(self.record_key(r.adapter_id) for r in batch)]
+            keys = [self.index_key, self.version_key, *(self.record_key(r.adapter_id) for r in batch)]
             args = [*(r.adapter_id for r in batch), *(r.to_json() for r in batch)]
             restored += int(self._call(self._restore, keys=keys, args=args))
         return restored

@@ -163,3 +163,44 @@ def test_a_registry_with_no_copy_answers_unavailable_once_lost(server: PrivateRe
         assert client.keys("*") == []  # nothing written to a lost registry
     finally:
         reg.close()
+
+
+def test_a_deletion_after_the_loss_stays_deleted_with_two_stores(open_mirror, client) -> None:
+    """One store restores the registry and an adapter is deleted through it; the other store, whose
+    copy knows no more than what was restored, puts nothing back at its next round."""
+    one, two = open_mirror("one"), open_mirror("two")
+    one.put(_record("a"), overwrite=False)
+    one.put(_record("b"), overwrite=False)
+    two.check()  # in step
+    client.flushall()
+    assert one.delete("a") is not None  # the first call after the loss: restored, then deleted
+    two.check()
+    assert _ids(one) == ["b"] == _ids(two)
+    assert [r.adapter_id for r in two.copy.records()] == ["b"]
+
+
+def test_a_store_whose_copy_knows_more_still_puts_it_back(open_mirror, client) -> None:
+    one, two = open_mirror("one"), open_mirror("two")
+    one.put(_record("a"), overwrite=False)
+    two.put(_record("b"), overwrite=False)  # not yet in the first store's copy
+    client.flushall()
+    one.check()
+    assert _ids(one) == ["a"]
+    two.check()
+    one.check()
+    assert _ids(one) == ["a", "b"] == [r.adapter_id for r in one.copy.records()]
+
+
+def test_a_restore_bumps_the_registry_version(open_mirror, client) -> None:
+    """What a restore puts back is a registry write: the version moves, so another store whose copy
+    is in step with Redis follows it."""
+    one = open_mirror("one")
+    one.put(_record("a"), overwrite=False)
+    client.flushall()
+    client.set(PREFIX + "epoch", "another")
+    client.set(PREFIX + "registry:version", "5")
+    _, before = one.redis.state()
+    assert one.redis.restore([_record("a")]) == 1
+    assert one.redis.state()[1] == before + 1
+    assert one.redis.restore([_record("a")]) == 0  # nothing put back: nothing changed
+    assert one.redis.state()[1] == before + 1
