@@ -1,7 +1,7 @@
 """The adapter path leaves nothing for the garbage collector: fetches (stored, refused by the
 store, cancelled midway), copies into GPU slots and evictions from both tiers are freed by reference
 counts when they end, through the fetch threads and through the fetch process; so is a request
-whose adapter could not be fetched, in the engine.
+whose adapter could not be fetched, in the engine and in the gRPC service.
 
 A failed fetch used to keep its error raised: the traceback held the fetch's frames (its gRPC call,
 its download and buffer) and the flight, and, raised again at admission, the step thread's frames
@@ -104,3 +104,22 @@ def test_a_request_whose_adapter_failed_leaves_no_cycles(tiny_model_dir, lora_st
             assert garbage(of_worker) == []
     finally:
         worker.close()
+
+
+def test_a_failed_generate_leaves_no_cycles(start_worker, lora_store) -> None:
+    """In the gRPC service: a request failed with the engine's error (here the store's NOT_FOUND)."""
+    import grpc
+
+    from loraserve.clients.worker_client import WorkerClient
+
+    worker = start_worker(store_address=lora_store.address, max_loras=2, max_cpu_loras=2)
+    with WorkerClient(worker.address, timeout=60) as client:
+        client.generate("hello", adapter_id="qv-r8", max_tokens=2)  # (first use)
+        with saving_garbage():
+            garbage(of_worker)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as failed:
+                    client.generate("hello", adapter_id="no-such-adapter", max_tokens=2)
+                assert failed.value.code() == grpc.StatusCode.NOT_FOUND
+            del failed
+            assert garbage(of_worker) == []
