@@ -14,8 +14,15 @@ pipeline around an engine whose steps take a GPU's time. `--hold-ms` makes each 
 run Python for that long on the step thread, as a GPU worker's launches do: an interpreter that the
 step thread keeps busy, with the event loop getting what is left.
 
+`--adapters N` serves N distinct adapters of the tiny model (ranks 8 and 16, all seven modules;
+written once under `--adapter-dir`) from a real store process on the client's core, Zipf popular,
+through `--max-loras` slots and a CPU tier of `--max-cpu-loras`: with N above both, the worker
+fetches, loads into slots and evicts continuously, as a GPU worker serving a thousand adapters
+does (its slot copies are CPU copies here).
+
     python benchmarks/bench_host_serving.py [--concurrency 64] [--output-len 64 | LO:HI] [--duration 8]
         [--step-ms 2.4] [--hold-ms 1.5] [--worker-arg=--stream-interval=4 ...] [--json out.json]
+        [--adapters 1000 [--max-loras 32] [--max-cpu-loras 64] [--zipf 1.0] [--handover]]
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serving_fleet import LISTENING  # noqa: E402
+from serving_fleet import LISTENING, Fleet, register_all, write_adapters  # noqa: E402
 from serving_probes import child_pids, proc_stat  # noqa: E402
 
 from loraserve.clients.bench.cli import length_range  # noqa: E402
@@ -92,7 +99,11 @@ def children_ticks(pid: int) -> int:
 
 
 async def drive(
-    address: str, args: argparse.Namespace, duration: float, metrics: Sequence[str] = ()
+    address: str,
+    args: argparse.Namespace,
+    duration: float,
+    metrics: Sequence[str] = (),
+    adapter_ids: Sequence[str] = (),
 ) -> tuple[dict, float]:
     """(the run's summary, with the worker's activity from `metrics`; this process's CPU share)"""
     target = WorkerTarget(address, Sampling())
@@ -100,8 +111,10 @@ async def drive(
     vocab = await target.vocab_size()
     spec = WorkloadSpec(
         vocab_size=vocab or 32000,
-        adapter_ids=[],
-        base_share=1.0,
+        adapter_ids=tuple(adapter_ids),
+        popularity="zipf",
+        zipf_exponent=args.zipf,
+        base_share=args.base_share if adapter_ids else 1.0,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
         rate=None,
@@ -116,6 +129,33 @@ async def drive(
     cpu = time.process_time() - cpu0
     await target.close()
     return got.summary, cpu / max(float(got.summary["duration_s"]), 1e-9)  # type: ignore[arg-type]
+
+
+def start_store(
+    args: argparse.Namespace, model: Path, tmp: Path, fleet: Fleet, core: int
+) -> tuple[list[str], list[str]]:
+    """With --adapters: a store process on `core` with the adapters registered; (their ids, the
+    worker's flags that serve them)."""
+    ids = write_adapters(
+        args.adapter_dir, model, args.adapters, processes=max(1, len(os.sched_getaffinity(0)))
+    )
+    handover = str(tmp / "handover") if args.handover else ""
+    store = fleet.start_store(
+        model, args.adapter_dir, cache_adapters=args.max_cpu_loras, dtype="float32", handover_dir=handover
+    )
+    for task in Path(f"/proc/{store.process.pid}/task").iterdir():  # every thread: each has its own mask
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), {core})
+    register_all(store.address, args.adapter_dir, ids)
+    if args.unknown_every > 0:  # (never registered: each request for one fetches and fails)
+        k = args.unknown_every
+        ids = [f"unknown-{i:04d}" if i % k == k - 1 else aid for i, aid in enumerate(ids)]
+    flags = [
+        "--store-address", store.address, "--max-loras", str(args.max_loras),
+        "--max-cpu-loras", str(args.max_cpu_loras), "--max-lora-rank", "16",
+        *(["--store-handover-dir", handover] if handover else []),
+    ]  # fmt: skip
+    return ids, flags
 
 
 def main() -> int:
@@ -138,6 +178,25 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--worker-arg", action="append", default=[], help="extra `loraserve worker` flag")
+    p.add_argument("--adapters", type=int, default=0, help="distinct adapters served (0: the base model)")
+    p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the adapters' popularity")
+    p.add_argument("--base-share", type=float, default=0.0, help="with --adapters: share of base requests")
+    p.add_argument("--max-loras", type=int, default=32, help="with --adapters: the worker's slots")
+    p.add_argument("--max-cpu-loras", type=int, default=64, help="with --adapters: its CPU tier")
+    p.add_argument(
+        "--adapter-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "loraserve-host-serving-adapters",
+        help="where the adapters are written (kept: a later run reuses them)",
+    )
+    p.add_argument(
+        "--unknown-every",
+        type=int,
+        default=0,
+        help="with --adapters: every Nth adapter in popularity order is one the store does not hold (its "
+        "requests fail NOT_FOUND after a fetch: the failure path)",
+    )
+    p.add_argument("--handover", action="store_true", help="with --adapters: payloads handed over as files")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default=None, help="py-spy raw samples of the worker, to this file")
     args = p.parse_args()
@@ -149,12 +208,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_llama(Path(tmp) / "model", TinyLlamaSpec())
         tid_file = Path(tmp) / "step-thread"
+        fleet = Fleet(Path(tmp))
+        ids, store_flags = (
+            start_store(args, model, Path(tmp), fleet, client_core) if args.adapters else ([], [])
+        )
         cmd = [
             sys.executable, "-c", CHILD, str(tid_file), f"{args.step_ms},{args.hold_ms}",
             "--model", str(model), "--device", "cpu", "--port", "0", "--log-level", "WARNING",
             "--max-num-seqs", str(args.max_num_seqs), "--max-queue-size", str(4 * args.concurrency),
             "--max-num-batched-tokens", "8192", "--kv-cache-mb", "512", "--metrics-port", "0",
-            *args.worker_arg,
+            *store_flags, *args.worker_arg,
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, text=True)
         try:
@@ -171,7 +234,7 @@ def main() -> int:
                     with contextlib.suppress(OSError):
                         for task in Path(f"/proc/{child}/task").iterdir():
                             os.sched_setaffinity(int(task.name), {client_core})
-            asyncio.run(drive(address, args, args.warmup))
+            asyncio.run(drive(address, args, args.warmup, adapter_ids=ids))
             step_tid = int(tid_file.read_text())
             spy = None
             if args.profile:  # py-spy at 100 Hz, native frames off: the Python of both threads
@@ -182,7 +245,7 @@ def main() -> int:
                 )  # fmt: skip
             w0, s0, c0 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
             t0 = time.perf_counter()
-            summary, client_share = asyncio.run(drive(address, args, args.duration, [metrics]))
+            summary, client_share = asyncio.run(drive(address, args, args.duration, [metrics], ids))
             w1, s1, c1 = cpu_ticks(proc.pid), cpu_ticks(proc.pid, step_tid), children_ticks(proc.pid)
             wall = time.perf_counter() - t0
             if spy is not None:
@@ -190,6 +253,7 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(30)
+            fleet.close()
     hz = os.sysconf("SC_CLK_TCK")
     activity: dict = summary["adapter_activity"]  # type: ignore[assignment]
     tokens = int(summary["total_output_tokens"])  # type: ignore[call-overload]
@@ -202,9 +266,22 @@ def main() -> int:
         "step_ms": args.step_ms,
         "hold_ms": args.hold_ms,
         "worker_alone": args.worker_alone,
+        "adapters": args.adapters,
+        **(
+            {
+                "max_loras": args.max_loras,
+                "max_cpu_loras": args.max_cpu_loras,
+                "zipf": args.zipf,
+                "unknown_every": args.unknown_every,
+                "handover": args.handover,
+            }
+            if args.adapters
+            else {}
+        ),  # fmt: skip
         "requests_per_s": summary["request_throughput"],
         "tokens_per_s": summary["output_token_throughput"],
         "failed": summary["failed"],
+        "errors": summary.get("errors", {}),
         "worker_cpu_share": round((w1 - w0) / hz / wall, 3),
         "worker_us_per_token": round(1e6 * (w1 - w0) / hz / tokens, 1),
         "step_thread_us_per_token": round(1e6 * (s1 - s0) / hz / tokens, 1),
@@ -214,7 +291,12 @@ def main() -> int:
         "client_cpu_share": round(client_share, 3),
         # from the worker's metrics over the measured run: its garbage collections (by generation,
         # their total ms) and how full its steps were
-        **{k: activity[k] for k in ("gc_collections", "gc_ms", "gc_over_10ms", "mean_sequences_per_step")},
+        **{
+            k: activity[k]
+            for k in ("gc_collections", "gc_ms", "gc_cpu_ms", "gc_over_10ms", "mean_sequences_per_step")
+        },
+        # adapters fetched (cpu) and copied into slots (gpu), and evicted, by tier
+        **{k: activity[k] for k in ("loads", "failed_loads", "evictions")},
         # what ended the steps' admission passes, and how long requests were outside the engine
         "step_admissions": activity["step_admissions"],
         "outside_engine_ms": summary.get("outside_engine_ms"),

@@ -65,6 +65,15 @@ def _refetch(exc: grpc.RpcError) -> bool:
     return any(k == REFETCH_KEY for k, _ in trailers or ())
 
 
+def _untraced(exc: grpc.RpcError) -> grpc.RpcError:
+    """A failed attempt's error without the frames it was raised through. A sync stream raises its
+    call object itself, from one of the call's methods: that frame holds the call, and the call
+    (the error) the frame, a reference cycle; and a final error is raised on from the fetch's own
+    frames, which hold the download and its buffer. Each cycle would keep the lot for the garbage
+    collector instead of letting it go with the error."""
+    return exc.with_traceback(None)
+
+
 def _backoff(attempt: int) -> float:
     """Seconds before resume attempt `attempt` (1, 2, ...): 50 ms doubling, at most 2 s."""
     return min(0.05 * 2 ** (attempt - 1), 2.0)
@@ -110,37 +119,40 @@ class _Resumable:
         """The adapter when complete; None to retry after `delay`. Re-raises a final RpcError;
         DataLossError when the bytes do not match the digest and no attempt is left; FetchError
         once retries are spent (the fetch loops end the download's sink threads on any raise)."""
-        d = self.download
-        if exc is None and d.handover_missed and not d.complete:
-            d.handover_missed = False  # the file could not be read: stream it now, no attempt spent
-            self.retry_now = True
-            return None
-        self.retry_now = False
-        spent = self.attempts >= self.max_retries
-        refetch = exc is not None and _refetch(exc)
-        if exc is not None and not (refetch or _retryable(exc)):
-            raise exc
-        if refetch:  # the store found its copy damaged: what came is dropped
-            if spent:
-                raise exc  # type: ignore[misc]  # refetch implies exc
-            d.restart()
-        elif d.complete:
-            try:
-                return d.finish()
-            except DataLossError:
-                # Every byte came, but the stream was cut before its status: the store may not
-                # have finished checking its copy. With attempts left, fetch again from 0.
-                if exc is None or spent:
-                    raise
+        try:
+            d = self.download
+            if exc is None and d.handover_missed and not d.complete:
+                d.handover_missed = False  # the file could not be read: stream it now, no attempt spent
+                self.retry_now = True
+                return None
+            self.retry_now = False
+            spent = self.attempts >= self.max_retries
+            refetch = exc is not None and _refetch(exc)
+            if exc is not None and not (refetch or _retryable(exc)):
+                raise exc
+            if refetch:  # the store found its copy damaged: what came is dropped
+                if spent:
+                    raise exc  # type: ignore[misc]  # refetch implies exc
                 d.restart()
-        elif exc is not None and spent:
-            raise exc
-        self.attempts += 1
-        if self.attempts > self.max_retries:
-            raise FetchError(
-                f"stream of {d.adapter_id!r} ended at byte {d.received} after {self.attempts} attempts"
-            )
-        return None
+            elif d.complete:
+                try:
+                    return d.finish()
+                except DataLossError:
+                    # Every byte came, but the stream was cut before its status: the store may not
+                    # have finished checking its copy. With attempts left, fetch again from 0.
+                    if exc is None or spent:
+                        raise
+                    d.restart()
+            elif exc is not None and spent:
+                raise exc
+            self.attempts += 1
+            if self.attempts > self.max_retries:
+                raise FetchError(
+                    f"stream of {d.adapter_id!r} ended at byte {d.received} after {self.attempts} attempts"
+                )
+            return None
+        finally:
+            exc = None  # raised on: the error must not hold this frame, which holds the error
 
     @property
     def delay(self) -> float:
@@ -177,8 +189,12 @@ def fetch_adapter(
                     for msg in run.stream():
                         run.handle(msg)
             except grpc.RpcError as exc:
-                error = exc
-            if (fetched := run.after_attempt(error)) is not None:
+                error = _untraced(exc)
+            try:
+                fetched = run.after_attempt(error)
+            finally:
+                error = None  # (as in after_attempt)
+            if fetched is not None:
                 return fetched
             time.sleep(run.delay)
     except BaseException:  # failed, a broken contract, no room, interrupted: the sink's threads end now
@@ -212,8 +228,12 @@ async def fetch_adapter_async(
                     async for msg in run.stream():
                         run.handle(msg)
             except grpc.RpcError as exc:
-                error = exc
-            if (fetched := run.after_attempt(error)) is not None:
+                error = _untraced(exc)
+            try:
+                fetched = run.after_attempt(error)
+            finally:
+                error = None  # (as in after_attempt)
+            if fetched is not None:
                 return fetched
             await asyncio.sleep(run.delay)
     except BaseException:  # failed, a broken contract, no room, cancelled: the sink's threads end now

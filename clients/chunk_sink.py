@@ -59,7 +59,8 @@ class _Lane(Generic[T]):
                 try:
                     self._work(item)
                 except BaseException as exc:
-                    self._error = exc
+                    # kept without its traceback, whose frame (this one) holds the lane holding it
+                    self._error = exc.with_traceback(None)
 
     def drain(self) -> None:
         """Wait until everything put so far is done; the thread ends."""

@@ -6,7 +6,11 @@ Domain code raises these and never imports grpc; the server's error interceptor 
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from loraserve.serving.errors import ServiceError
+
+E = TypeVar("E", bound=BaseException)
 
 
 class WorkerError(ServiceError):
@@ -68,3 +72,16 @@ class RankFailed(WorkerError):
     worker can no longer compute anything, so every request ends with this and the worker exits."""
 
     code = "UNAVAILABLE"
+
+
+def detached(exc: E) -> E:
+    """`exc` itself, without its traceback, cause and context: an error kept to be handed on later
+    (a sequence's failure, a failed fetch's outcome). A raised exception holds every frame it went
+    through, each frame its caller's and their locals; where one of them also reaches the exception
+    (the local it was caught or raised from, the sequence that keeps it), that is a reference cycle,
+    and everything in those frames (a step's batch, a fetch's buffer and gRPC call) waits for the
+    garbage collector instead of going when the error does."""
+    exc.__traceback__ = None
+    exc.__cause__ = None
+    exc.__context__ = None
+    return exc

@@ -98,8 +98,21 @@ class WorkerMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
             registry=r,
         )
+        self.gc_cpu = Histogram(
+            "loraserve_worker_gc_cpu_seconds",
+            "CPU time of the thread that ran a garbage collection, by generation: what the collection "
+            "itself cost. The pause can be longer: it also counts another thread that took the "
+            "interpreter before the collection's end was timed (loraserve/serving/gc_tuning.py)",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
         by_gen = [self.gc_pause.labels(str(g)) for g in range(3)]
-        self._gc = GCPauses(lambda gen, seconds: by_gen[gen].observe(seconds))
+        cpu_by_gen = [self.gc_cpu.labels(str(g)) for g in range(3)]
+        self._gc = GCPauses(
+            lambda gen, seconds: by_gen[gen].observe(seconds),
+            lambda gen, seconds: cpu_by_gen[gen].observe(seconds),
+        )
         engine.step_observer = self.observe_step
         # host or device bound (CUDA): how long the step thread waited for steps' tokens, and the
         # device time of one step in 16 (engine/device_timing.py)

@@ -4,6 +4,7 @@ interceptors (loraserve/serving/interceptors.py) check bearer tokens and make er
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -178,7 +179,10 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
                     if out.error is not None:
                         self.engine.abort(rid)  # the other completions, if any
                         self.metrics.count_request(method, status_of(out.error)[0], request.adapter_id)
-                        raise out.error
+                        # a copy: the sequence and the output keep the error, and this frame them;
+                        # raised itself, its traceback would hold this frame, a reference cycle
+                        # that keeps the whole request for the garbage collector
+                        raise copy.copy(out.error) if isinstance(out.error, WorkerError) else out.error
                     self.metrics.count_request(method, "OK", request.adapter_id)
                     if out.usage is not None:
                         self.metrics.observe_finished(out.usage, request.adapter_id)

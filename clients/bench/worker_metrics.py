@@ -24,6 +24,7 @@ DEVICE_WAIT = "loraserve_worker_device_wait_seconds_total"
 STEP_DEVICE_SECONDS = "loraserve_worker_step_device_seconds"  # histogram of one step in 16
 LOAD_SECONDS = "loraserve_worker_adapter_load_seconds"  # histogram by tier: _count, _sum
 GC_PAUSE = "loraserve_worker_gc_pause_seconds"  # histogram by generation: _count, _sum, _bucket
+GC_CPU = "loraserve_worker_gc_cpu_seconds"  # the collecting thread's CPU time, as GC_PAUSE
 LONG_GC_PAUSE = "0.01"  # the bucket bound above which a collection counts as long (seconds)
 # a store's metrics among the URLs: where its fetches' payloads came from (memory, disk, source)
 STORE_OPEN_SECONDS = "loraserve_store_fetch_open_seconds"
@@ -85,6 +86,9 @@ class AdapterActivity:
     device_steps: int = 0  # ... and their count
     gc_collections: dict[str, int] = field(default_factory=dict)  # by generation
     gc_ms: dict[str, float] = field(default_factory=dict)  # their total duration, by generation
+    # ... and the collecting thread's CPU time in them (the duration also counts another thread's
+    # turn with the interpreter before a collection's end is timed: loraserve/serving/gc_tuning.py)
+    gc_cpu_ms: dict[str, float] = field(default_factory=dict)
     gc_long: int = 0  # collections over 10 ms (no thread of the worker ran Python meanwhile)
     # steps by what ended their admission pass (queue_empty, max_num_seqs, adapter_wait, ...): with
     # batches below max_num_seqs, whether requests waited in the engine or were elsewhere
@@ -112,6 +116,7 @@ class AdapterActivity:
             "device_ms_per_step": _per_step_ms(self.device_seconds, self.device_steps),
             "gc_collections": self.gc_collections,
             "gc_ms": self.gc_ms,
+            "gc_cpu_ms": self.gc_cpu_ms,
             "gc_over_10ms": self.gc_long,
             "step_admissions": self.step_admissions,
         }
@@ -178,6 +183,7 @@ def activity(
     gc_n = by(GC_PAUSE + "_count", "generation")
     gc_short = by(GC_PAUSE + "_bucket", "le")  # (a bucket summed over the generations: up to its bound)
     gc_s = by_exact(GC_PAUSE + "_sum", "generation")
+    gc_cpu_s = by_exact(GC_CPU + "_sum", "generation")
     loads_s = by_exact(LOAD_SECONDS + "_sum", "tier")
     return AdapterActivity(
         loads=_sum(ok),
@@ -196,6 +202,7 @@ def activity(
         device_steps=delta(STEP_DEVICE_SECONDS + "_count"),
         gc_collections={g: n for g, n in gc_n.items() if n},
         gc_ms={g: round(1e3 * v, 2) for g, v in gc_s.items() if gc_n.get(g)},
+        gc_cpu_ms={g: round(1e3 * v, 2) for g, v in gc_cpu_s.items() if gc_n.get(g)},
         gc_long=sum(gc_n.values()) - gc_short.get(LONG_GC_PAUSE, 0),
         step_admissions={k: n for k, n in by(STEP_ADMISSIONS, "outcome").items() if n},
     )

@@ -4,12 +4,20 @@ However many sequences and admin calls want one version, one fetch runs; every s
 for it is remembered, so a failed fetch fails exactly those (the next request tries again). A
 fetch that an invalidation overtook (the store changed the adapter meanwhile) is repeated. With
 every fetch thread of the source busy, the fetch somebody waits for goes next (fetch_gate.py).
+
+A flight's outcome is a value (the version key, or the error), never an exception kept raised:
+the flight's future, the task and each waiter would hold the error's traceback, its frames (the
+fetch's gRPC call and buffer; on the step thread, the scheduler's) and the flight itself in a
+reference cycle, which only the garbage collector frees, stopping every thread while it does. The
+error is kept without traceback, and whoever raises it (a waiter's admission, an operator's load)
+raises a copy of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +28,7 @@ from typing import Protocol
 from loraserve.inference_worker.adapters.fetch_gate import FetchGate
 from loraserve.inference_worker.adapters.metrics import AdapterMetrics
 from loraserve.inference_worker.adapters.refs import AdapterRef
-from loraserve.inference_worker.errors import DependencyUnavailable, NoAdapterStore, WorkerError
+from loraserve.inference_worker.errors import DependencyUnavailable, NoAdapterStore, WorkerError, detached
 from loraserve.inference_worker.lora.payload import AdapterPayload
 from loraserve.serving import tracing
 
@@ -50,7 +58,8 @@ class Installer(Protocol):
 class Flight:
     ref: AdapterRef
     waiters: set[int] = field(default_factory=set)  # sequence keys
-    future: concurrent.futures.Future[str] | None = None  # -> version key "id@digest"
+    # -> version key "id@digest", or the failure (see the module's text)
+    future: concurrent.futures.Future[str | WorkerError] | None = None
     trace_context: object = None  # of the request (or admin call) that started it; None while off
     awaited: bool = False  # a caller other than a queued request waits for it (an operator's load)
 
@@ -84,7 +93,7 @@ class AdapterFetcher:
     # ------------------------------------------------------------------ under the state lock
     def fetch(self, ref: AdapterRef, waiter: int | None = None, awaited: bool = False) -> Flight:
         """The flight bringing `ref` in, started unless one already is; `waiter` (a sequence key)
-        learns of its failure through `take_failure`; `awaited`: the caller waits for the flight
+        learns of its failure through `raise_failure`; `awaited`: the caller waits for the flight
         itself (both make it urgent)."""
         flight = self.flights.get(ref)
         if flight is None:
@@ -100,8 +109,12 @@ class AdapterFetcher:
         flight.awaited |= awaited
         return flight
 
-    def take_failure(self, seq_key: int) -> WorkerError | None:
-        return self._failed.pop(seq_key, None)
+    def raise_failure(self, seq_key: int) -> None:
+        """Raise why the fetch the sequence waited for failed, once; nothing when it did not. A copy
+        of the flight's error, its own to carry the frames it goes through, held by none of them."""
+        failed = self._failed.pop(seq_key, None)
+        if failed is not None:
+            raise copy.copy(failed)
 
     def has_failed(self, seq_key: int) -> bool:
         """A fetch the sequence waited for failed; it learns why at its next admission attempt."""
@@ -114,14 +127,20 @@ class AdapterFetcher:
             f.waiters.discard(seq_key)
 
     # ------------------------------------------------------------------ event loop
-    async def _fly(self, flight: Flight) -> str:
+    async def _fly(self, flight: Flight) -> str | WorkerError:
         attributes = {"loraserve.adapter.id": flight.ref.adapter_id, "loraserve.adapter.tier": "cpu"}
         with tracing.span("worker.adapter_load", attributes, parent=flight.trace_context) as span:
-            key = await self._fetch(flight)
-            tracing.annotate({"loraserve.adapter.version": key}, span)
-            return key
+            try:
+                got = await self._fetch(flight)
+            except asyncio.CancelledError:  # its future was cancelled: nobody reads the outcome
+                return DependencyUnavailable(f"the fetch of adapter {flight.ref.adapter_id!r} was cancelled")
+            if isinstance(got, WorkerError):
+                tracing.set_error(span, got.message)
+            else:
+                tracing.annotate({"loraserve.adapter.version": got}, span)
+            return got
 
-    async def _fetch(self, flight: Flight) -> str:
+    async def _fetch(self, flight: Flight) -> str | WorkerError:
         assert self.source is not None
         ref, t0 = flight.ref, time.perf_counter()
         try:
@@ -145,7 +164,7 @@ class AdapterFetcher:
                 f"adapter {ref.adapter_id!r} kept changing at the store while fetching"
             )
         except Exception as exc:
-            err = (
+            err = detached(
                 exc
                 if isinstance(exc, WorkerError)
                 else DependencyUnavailable(
@@ -159,7 +178,7 @@ class AdapterFetcher:
                 # a sequence cancelled while waiting never comes back for its failure: keep few
                 for seq_key in list(self._failed)[: max(0, len(self._failed) - MAX_FAILED_KEPT)]:
                     del self._failed[seq_key]
-            raise err from None
+            return err
         finally:
             with self._lock:
                 if self.flights.get(ref) is flight:

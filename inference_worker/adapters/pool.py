@@ -13,6 +13,7 @@ of them waits on the network while holding the lock:
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from collections import OrderedDict
@@ -99,9 +100,7 @@ class AdapterPool:
             if seq_key in self._held:
                 held = self.tiers.table.slots[self._held[seq_key]]
                 return held.index, held.digest
-            failed = self.fetcher.take_failure(seq_key)
-            if failed is not None:
-                raise failed
+            self.fetcher.raise_failure(seq_key)
             if self.kept_out:
                 self.kept_out.pop(ref.adapter_id, None)  # asked for again: prefetch may hold it
             key = self.versions.resolve(ref)
@@ -199,7 +198,10 @@ class AdapterPool:
                 return key
             flight = self.fetcher.fetch(ref, awaited=True)
         assert flight.future is not None
-        return await asyncio.wrap_future(flight.future)
+        got = await asyncio.wrap_future(flight.future)
+        if isinstance(got, str):
+            return got
+        raise copy.copy(got)  # the flight's error, shared: raised, a copy carries this call's frames
 
     # ------------------------------------------------------------------ invalidation
     def apply_invalidation(self, adapter_id: str, digest: str) -> None:

@@ -29,7 +29,7 @@ from loraserve.inference_worker.adapters.usage_metrics import AdapterUsageMetric
 from loraserve.inference_worker.coordination import Coordinator, InvalidationEvent
 from loraserve.inference_worker.engine.adapter_hooks import AdapterState
 from loraserve.inference_worker.engine.sequence import Sequence
-from loraserve.inference_worker.errors import WorkerError
+from loraserve.inference_worker.errors import WorkerError, detached
 from loraserve.inference_worker.lora.layer import LoRALayer
 from loraserve.inference_worker.lora.slots import LoRASlots
 from loraserve.inference_worker.model.llama import LlamaModel
@@ -170,7 +170,8 @@ class WorkerAdapters:
             with tracing.attached(seq.trace_context):  # a load started here joins the request's trace
                 got = self.pool.acquire(seq.seq_id, ref, new_request=seq.num_preemptions == 0)
         except WorkerError as exc:
-            seq.error = exc
+            # kept until the sequence is failed, handed to the event loop: without the step's frames
+            seq.error = detached(exc)
             return False
         if got is None:
             return False

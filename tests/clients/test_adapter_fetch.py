@@ -305,3 +305,34 @@ def test_every_byte_then_a_cut_is_decided_by_the_digest(max_retries) -> None:
     with pytest.raises(DataLossError):
         fetch_adapter(damaged, "a", max_retries=max_retries, allocate=lambda n: np.zeros(n, np.uint8))
     assert damaged.streams == max_retries + 1
+
+
+def test_a_failed_fetch_leaves_no_cycles(chunked) -> None:
+    """A fetch that fails leaves nothing for the garbage collector: neither the call that a sync
+    stream raises (itself, from a frame of its own that holds it) nor the fetch's frames (its
+    download and buffer) in a reference cycle with the error. The store's answer and a stream broken
+    with no retry left, through a channel, a stub and asyncio."""
+    from tests.helpers.saved_garbage import garbage, of_worker, saving_garbage
+
+    store, stub, _ = chunked
+    channel = grpc.insecure_channel(store.address)
+
+    def ours(o: object) -> bool:
+        return of_worker(o) or isinstance(o, grpc.RpcError)
+
+    async def fetch_async() -> None:
+        async with grpc.aio.insecure_channel(store.address) as aio:
+            with pytest.raises(grpc.RpcError):
+                await fetch_adapter_async(aio, "no-such-adapter")
+
+    fetch_adapter(channel, "big")  # (first use)
+    with saving_garbage():
+        garbage(ours)
+        for target in (channel, stub):
+            with pytest.raises(grpc.RpcError):
+                fetch_adapter(target, "no-such-adapter")
+        with pytest.raises(grpc.RpcError):
+            fetch_adapter(CuttingStub(stub, cut_after=3), "big", max_retries=0)
+        asyncio.run(fetch_async())
+        assert garbage(ours) == []
+    channel.close()

@@ -82,6 +82,21 @@ def test_a_chunk_that_cannot_be_copied_fails_the_sink_not_just_its_thread() -> N
     assert not dest.any()
 
 
+def test_a_failed_sink_leaves_no_cycle() -> None:
+    """The error a lane keeps does not hold the lane's own frame: a download that failed so goes
+    with its last reference, not with a garbage collection."""
+    from tests.helpers.saved_garbage import garbage, of_worker, saving_garbage
+
+    with saving_garbage():
+        garbage(of_worker)
+        sink = ChunkSink()
+        sink.put(np.zeros(5, dtype=np.uint8), b"0123456789")  # 10 bytes into 5
+        with pytest.raises(ChunkSinkError):
+            sink.drain()
+        del sink
+        assert garbage(of_worker) == []
+
+
 def test_a_download_whose_chunk_cannot_be_copied_fails(monkeypatch) -> None:
     """Through AdapterDownload: a failed copy ends the fetch with FetchError, never a digest match."""
     from loraserve.clients import adapter_fetch, chunk_sink

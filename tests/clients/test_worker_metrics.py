@@ -84,9 +84,12 @@ def test_garbage_collections_by_generation_and_the_long_ones() -> None:
         b.gc_pause.labels("2").observe(0.120)
         b.gc_pause.labels("1").observe(0.004)
         b.gc_pause.labels("1").observe(0.015)
+        a.gc_cpu.labels("0").observe(0.006)
+        b.gc_cpu.labels("2").observe(0.080)
         act = worker_metrics.activity(before, _scrape(a, b))
         assert act.gc_collections == {"0": 2, "1": 2, "2": 2}
         assert act.gc_ms == {"0": 8.4, "1": 19.0, "2": 150.0}
+        assert act.gc_cpu_ms == {"0": 6.0, "1": 0.0, "2": 80.0} == act.as_dict()["gc_cpu_ms"]
         assert act.gc_long == 3 and act.as_dict()["gc_over_10ms"] == 3  # (over 10 ms: 15, 30, 120)
         # the process's own collections are recorded, into every worker's registry, until closed
         before = _scrape(a, b)
@@ -95,6 +98,9 @@ def test_garbage_collections_by_generation_and_the_long_ones() -> None:
         assert all(
             worker_metrics.activity([x], [y]).gc_collections == {"2": 1}
             for x, y in zip(before, after, strict=True)
+        )
+        assert all(
+            0 < worker_metrics.activity([x], [y]).gc_cpu_ms["2"] for x, y in zip(before, after, strict=True)
         )
         a.close()
         b.close()

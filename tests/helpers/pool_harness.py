@@ -30,10 +30,14 @@ class Harness:
         worker_id: str = "worker",
         lookahead: int = 0,
         prefetch: int = 0,
+        max_fetches: int = 4,
+        fetch_process: bool = False,
     ) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.slots = LoRASlots(config, max_loras, 64, torch.float32, "cpu")
-        self.source = StoreSource(store_address, timeout_s=10, max_retries=1)
+        self.source = StoreSource(
+            store_address, timeout_s=10, max_retries=1, max_fetches=max_fetches, fetch_process=fetch_process
+        )
         self.coordinator = coordinator if coordinator is not None else InProcessCoordinator()
         self.pool = AdapterPool(
             self.slots,

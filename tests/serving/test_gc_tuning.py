@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import sys
+import threading
 
 import pytest
 
@@ -48,7 +50,8 @@ def test_worker_config_checks_the_threshold() -> None:
 
 def test_gc_pauses_times_each_collection_by_generation_until_closed() -> None:
     seen: list[tuple[int, float]] = []
-    pauses = GCPauses(lambda gen, seconds: seen.append((gen, seconds)))
+    cpu: list[tuple[int, float]] = []
+    pauses = GCPauses(lambda gen, seconds: seen.append((gen, seconds)), lambda g, s: cpu.append((g, s)))
     gc.disable()  # (only the collections below)
     try:
         junk = [[[] for _ in range(50)] for _ in range(2_000)]  # something for a full collection to walk
@@ -59,10 +62,44 @@ def test_gc_pauses_times_each_collection_by_generation_until_closed() -> None:
     finally:
         pauses.close()
         gc.enable()
-    assert [g for g, _ in seen] == [1, 0, 2]
+    assert [g for g, _ in seen] == [1, 0, 2] == [g for g, _ in cpu]
     assert all(0 < s < 5 for _, s in seen)
+    assert all(0 <= c <= s + 1e-3 for (_, s), (_, c) in zip(seen, cpu, strict=True))
     assert seen[-1][1] > seen[-2][1]  # the full collection walked the junk, the youngest did not
     n = len(seen)
     gc.collect()
     assert len(seen) == n  # closed: no longer called
     pauses.close()  # (twice is harmless)
+
+
+def test_the_cpu_time_leaves_out_another_thread_s_turn() -> None:
+    """A collection longer than the switch interval gives the interpreter, at its timing callback,
+    to a thread that waits for it: the pause counts that thread's turn, the CPU time does not."""
+    junk = [[[] for _ in range(50)] for _ in range(4_000)]  # a full collection walks it: ~10 ms
+    stop = threading.Event()
+
+    def hold() -> None:  # the interpreter kept in C for ~20 ms at a time (no switch inside)
+        while not stop.is_set():
+            sum(range(1_000_000))
+
+    walls: list[float] = []
+    cpus: list[float] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # (the worker's)
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    pauses = GCPauses(lambda g, s: walls.append(s), lambda g, s: cpus.append(s))
+    gc.disable()
+    try:
+        for _ in range(5):
+            gc.collect(2)
+    finally:
+        pauses.close()
+        gc.enable()
+        stop.set()
+        holder.join(10)
+        sys.setswitchinterval(interval)
+    del junk
+    assert len(walls) == len(cpus) == 5
+    assert all(c <= w + 1e-3 for w, c in zip(walls, cpus, strict=True))
+    assert max(w - c for w, c in zip(walls, cpus, strict=True)) > 0.005  # the holder's turn
