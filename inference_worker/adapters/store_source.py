@@ -243,7 +243,9 @@ class TensorTables:
 
         m = store_pb2.AdapterManifest.FromString(manifest)
         owner, digest, rank = m.adapter.adapter_id or adapter_id, m.digest, int(m.rank)
-        for field in ("adapter", "total_bytes", "digest", "layout_version", "rank"):
+        # every field but the tensors (a new field of the manifest goes here too: a hand-over's file
+        # name, the digest, made every fetch miss), cleared in place: ~5x cheaper than a copy
+        for field in ("adapter", "total_bytes", "digest", "layout_version", "rank", "handover_file"):
             m.ClearField(field)
         key = m.SerializeToString()  # the tensor table alone
         with self._lock:

@@ -35,6 +35,23 @@ def test_one_layout_is_built_once_and_each_payload_keeps_its_own_identity():
     assert a.tensors[1] == PayloadTensor("layers.0.o.lora_b", (64, 8), "bfloat16", 1024, 1024)
 
 
+def test_handed_over_payloads_of_one_layout_share_its_table():
+    """A hand-over's manifest names its file (the digest): the layout is still the tensors alone.
+    Keyed with the name, every fetch built its table anew and pushed another out of the cache, a
+    stream of young objects kept alive for a while, which the garbage collector walked."""
+    tables, buf = TensorTables(), torch.empty(0, dtype=torch.uint8)
+    payloads = []
+    for i in range(3):
+        m = store_pb2.AdapterManifest.FromString(manifest(f"a{i}", str(i) * 64, 8))
+        m.handover_file = m.digest
+        payloads.append(tables.payload(m.SerializeToString(), buf, f"a{i}"))
+    assert len(tables._tables) == 1
+    # a field added to the manifest must be cleared from the key as well (TensorTables.payload)
+    every = {f.name for f in store_pb2.AdapterManifest.DESCRIPTOR.fields}
+    assert every == {"adapter", "total_bytes", "digest", "layout_version", "rank", "handover_file", "tensors"}
+    assert all(x is y for p in payloads[1:] for x, y in zip(p.tensors, payloads[0].tensors, strict=True))
+
+
 def test_another_layout_gets_its_own_table_and_old_ones_go():
     tables, buf = TensorTables(), torch.empty(0, dtype=torch.uint8)
     r8 = tables.payload(manifest("a", "1" * 64, 8), buf, "a")
