@@ -19,7 +19,7 @@ from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
 from loraserve.inference_worker.server import BackgroundWorker
 from tests.helpers.private_redis import PrivateRedis
-from tests.helpers.redis_system import redis_system
+from tests.helpers.redis_system import redis_system, wait_for
 
 pytestmark = [
     pytest.mark.redis,
@@ -28,13 +28,6 @@ pytestmark = [
 PROMPT = [7, 21, 63, 189, 11]
 PREFIX = "loraserve-loss:"
 WORKER = "w-loss"
-
-
-def _wait(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -69,15 +62,17 @@ def test_an_empty_redis_is_not_every_adapter_deleted(system) -> None:
         w.pin_adapter(pinned)
         assert _held(w) == digests
     r = redis.Redis.from_url(server.url, decode_responses=True)
-    _wait(lambda: set(r.hkeys(PREFIX + f"residency:{WORKER}")) == set(digests), what="residency published")
+    wait_for(lambda: set(r.hkeys(PREFIX + f"residency:{WORKER}")) == set(digests), what="residency published")
 
     server.stop()
     server.start()
     r = redis.Redis.from_url(server.url, decode_responses=True)
     # the worker's own soft state is republished, and the store's registry restored
-    _wait(lambda: set(r.hkeys(PREFIX + f"residency:{WORKER}")) == set(digests), what="residency republished")
-    _wait(lambda: r.smembers(PREFIX + f"pins:{WORKER}") == {pinned}, what="pins republished")
-    _wait(lambda: r.zrange(PREFIX + "adapters", 0, -1) == sorted(digests), what="registry restored")
+    wait_for(
+        lambda: set(r.hkeys(PREFIX + f"residency:{WORKER}")) == set(digests), what="residency republished"
+    )
+    wait_for(lambda: r.smembers(PREFIX + f"pins:{WORKER}") == {pinned}, what="pins republished")
+    wait_for(lambda: r.zrange(PREFIX + "adapters", 0, -1) == sorted(digests), what="registry restored")
     time.sleep(1.0)  # ten rounds of the worker's store check
     with WorkerClient(worker.address, timeout=60) as w:
         assert _held(w) == digests  # nothing dropped
@@ -85,9 +80,9 @@ def test_an_empty_redis_is_not_every_adapter_deleted(system) -> None:
 
         with StoreClient(store.address) as s:  # a deletion after the loss is honoured
             s.delete(used)
-        _wait(lambda: used not in _held(w), what="the deleted adapter dropped")
+        wait_for(lambda: used not in _held(w), what="the deleted adapter dropped")
         with pytest.raises(grpc.RpcError) as err:
             w.generate(PROMPT, adapter_id=used, max_tokens=6)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         # the failed fetch is listed ("loading") until the worker's loop has ended it
-        _wait(lambda: _held(w) == {pinned: digests[pinned]}, what="only the pinned adapter held")
+        wait_for(lambda: _held(w) == {pinned: digests[pinned]}, what="only the pinned adapter held")

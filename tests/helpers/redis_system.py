@@ -3,7 +3,8 @@ Redis under running services. The services are imported inside: see store_fixtur
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,3 +81,11 @@ def redis_system(
         worker.stop()
         store.stop()
         server.stop()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
+    """Until `predicate()` is true (polled every 0.1 s); fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)

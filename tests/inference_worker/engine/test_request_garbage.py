@@ -12,7 +12,7 @@ import pytest
 
 from loraserve.inference_worker.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 from loraserve.inference_worker.model.loader import load_tokenizer
-from loraserve.serving.gc_tuning import no_collections
+from tests.helpers.saved_garbage import saving_garbage
 from tests.helpers.workers import make_engine
 from tests.inference_worker.engine.test_async_scheduling import run, workload
 
@@ -20,13 +20,8 @@ from tests.inference_worker.engine.test_async_scheduling import run, workload
 @pytest.fixture
 def saved_garbage():
     """Collections off; what a collection then finds unreachable is kept in gc.garbage."""
-    with no_collections():
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            yield
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
+    with saving_garbage():
+        yield
 
 
 def _engine_garbage() -> list[str]:
