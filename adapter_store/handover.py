@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import stat
 import time
 from collections import OrderedDict
@@ -40,11 +39,11 @@ from pathlib import Path
 from loraserve.adapter_store.filling import Filling
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.optimize import OptimizedAdapter
+from loraserve.contract.adapter_layout import DIGEST_RE
 from loraserve.contract.payload import PayloadTensor
 
 log = logging.getLogger("loraserve.store.handover")
 
-_NAME_RE = re.compile(r"[0-9a-f]{64}")  # a payload's file: its digest
 _TMP_PREFIX = ".writing-"
 _WRITE_STEP = 8 << 20  # bytes per write call
 # digests whose last discard is remembered; an offer read before the oldest forgotten discard is
@@ -99,7 +98,7 @@ class HandoverDirectory:
             pass
         self._check_own()
         for path in self.directory.iterdir():
-            ours = _NAME_RE.fullmatch(path.name) or path.name.startswith(_TMP_PREFIX)
+            ours = DIGEST_RE.fullmatch(path.name) or path.name.startswith(_TMP_PREFIX)
             if ours and (path.is_file() or path.is_symlink()):
                 path.unlink(missing_ok=True)
         self._gauges()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,14 +17,12 @@ import numpy as np
 
 from loraserve.clients.chunk_sink import ChunkSink, ChunkSinkError
 from loraserve.clients.file_read import read_into
-from loraserve.contract.adapter_layout import DTYPES, ITEMSIZES, LAYOUT_VERSION
+from loraserve.contract.adapter_layout import DIGEST_RE, DTYPES, ITEMSIZES, LAYOUT_VERSION
 from loraserve.contract.chunk_codec import decode_response
 from loraserve.v1 import store_pb2
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: a download into numpy needs none
     import torch
-
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")  # a hand-over file's name: its payload's sha256
 
 
 class FetchError(Exception):
@@ -187,26 +184,22 @@ class AdapterDownload:
         assert self.manifest is not None and self._np is not None
         if not self.asks_handover or self._handover_dir is None:  # as the request asked
             raise FetchError(f"adapter {self.adapter_id!r}: the store handed over a file unasked")
-        if name != self.manifest.digest or not _DIGEST_RE.fullmatch(name):  # a plain file name
+        if name != self.manifest.digest or not DIGEST_RE.fullmatch(name):  # a plain file name
             raise FetchError(
                 f"adapter {self.adapter_id!r}: hand-over file {name[:80]!r} is not named by its digest"
             )
         total = self.manifest.total_bytes
+        done = -1
         try:
             fd = os.open(self._handover_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_size == total:  # read in pieces, at once
+                    done = read_into(fd, memoryview(self._np), total)  # type: ignore[arg-type]
+            finally:
+                os.close(fd)
         except OSError:
-            self.handover = "missed"
-            self.handover_missed = True
-            return
-        try:
-            st = os.fstat(fd)
-            done = 0
-            if stat.S_ISREG(st.st_mode) and st.st_size == total:  # read in pieces, at once
-                done = read_into(fd, memoryview(self._np), total)  # type: ignore[arg-type]
-        except OSError:
-            done = -1
-        finally:
-            os.close(fd)
+            pass  # missed: streamed next
         if done != total:
             self.handover = "missed"
             self.handover_missed = True

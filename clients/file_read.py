@@ -42,15 +42,6 @@ def _read_piece(fd: int, view: memoryview, start: int, end: int) -> int:
 def read_into(fd: int, view: memoryview, total: int) -> int:
     """The first `total` bytes of the open file `fd` into view[:total]; -> the bytes read (fewer
     when the file is shorter). Raises OSError as os.preadv does."""
-    if not hasattr(os, "preadv"):  # one sequential read where there is no positioned vector read
-        done = 0
-        os.lseek(fd, 0, os.SEEK_SET)
-        while done < total:
-            n = os.readv(fd, [view[done:total]])
-            if n <= 0:
-                break
-            done += n
-        return done
     if total <= 0:
         return 0
     pieces = max(1, min(READ_THREADS + 1, total // PIECE_BYTES))

@@ -116,15 +116,17 @@ class Backend:
             if not self._unread:  # once per outage
                 log.warning("cannot read the live workers from Redis: %s", exc)
             self._unread = str(exc) or type(exc).__name__
-            live = list(self._fleet)
+            return
         else:
             self._unread = ""
         finally:
             self._read.set()
-        self._use(tuple(sorted(set(live))) or ((self.config.worker,) if self.config.worker else ()))
+        self._use(tuple(sorted(set(live))))
 
     def _use(self, fleet: tuple[str, ...]) -> None:
-        """Route over `fleet` from now on (a new router when it changed; none for no worker)."""
+        """Route over `fleet` from now on, or over --worker when it is empty (a new router when it
+        changed; none for no worker)."""
+        fleet = fleet or ((self.config.worker,) if self.config.worker else ())
         if fleet and fleet != self._fleet:
             old, self._router = (
                 self._router,
@@ -142,8 +144,8 @@ class Backend:
         self.start()
         with suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._read.wait(), self.config.redis_timeout_s)
-        if self._router is None and self.config.worker:
-            self._use((self.config.worker,))
+        if self._router is None:
+            self._use(())  # --worker, where given
         if self._router is not None:
             return self._router
         if self._unread:

@@ -20,7 +20,7 @@ from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
 from loraserve.inference_worker.server import BackgroundWorker
 from tests.helpers.private_redis import PrivateRedis
-from tests.helpers.redis_system import redis_system, wait_for
+from tests.helpers.redis_system import assert_soon, redis_system
 
 pytestmark = [
     pytest.mark.redis,
@@ -78,7 +78,7 @@ def test_a_frozen_redis_costs_staleness_not_latency(system) -> None:
         w.load_adapter(dropped, "cpu")
     r = redis.Redis.from_url(server.url, decode_responses=True)
     residency = PREFIX + "residency:w-freeze"
-    wait_for(lambda: set(r.hkeys(residency)) == {resident, dropped}, what="residency published")
+    assert_soon(lambda: set(r.hkeys(residency)) == {resident, dropped}, what="residency published")
     latencies(worker.address, resident)  # warm up
     normal = latencies(worker.address, resident)
 
@@ -98,12 +98,12 @@ def test_a_frozen_redis_costs_staleness_not_latency(system) -> None:
         assert statistics.median(during) <= max(2 * typical, typical + 0.25), (kind, before, during)
         assert max(during) <= typical + 0.75, (kind, before, during)
 
-    wait_for(lambda: set(r.hkeys(residency)) == {resident}, what="residency republished as it is now")
+    assert_soon(lambda: set(r.hkeys(residency)) == {resident}, what="residency republished as it is now")
     with StoreClient(store.address) as s:
         new = s.register(resident, other, overwrite=True)  # an invalidation through the Redis stream
     assert new.digest != old.digest
     with WorkerClient(worker.address, timeout=60) as w:
-        wait_for(
+        assert_soon(
             lambda: w.generate(PROMPT, adapter_id=resident, max_tokens=2).adapter_digest == new.digest,
             what="the invalidation applied",
         )
@@ -143,7 +143,7 @@ def test_a_frozen_redis_does_not_hold_the_stores_fetches(system) -> None:
     finally:
         server.thaw()
     with StoreClient(store.address, timeout=8) as s:
-        wait_for(lambda: _deleted(s, names[0]), what="the registry back after Redis")
+        assert_soon(lambda: _deleted(s, names[0]), what="the registry back after Redis")
 
 
 def _deleted(s: StoreClient, adapter_id: str) -> bool:

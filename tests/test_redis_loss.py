@@ -19,7 +19,7 @@ from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
 from loraserve.inference_worker.server import BackgroundWorker
 from tests.helpers.private_redis import PrivateRedis
-from tests.helpers.redis_system import redis_system, wait_for
+from tests.helpers.redis_system import assert_soon, redis_system
 
 pytestmark = [
     pytest.mark.redis,
@@ -62,17 +62,19 @@ def test_an_empty_redis_is_not_every_adapter_deleted(system) -> None:
         w.pin_adapter(pinned)
         assert _held(w) == digests
     r = redis.Redis.from_url(server.url, decode_responses=True)
-    wait_for(lambda: set(r.hkeys(PREFIX + f"residency:{WORKER}")) == set(digests), what="residency published")
+    assert_soon(
+        lambda: set(r.hkeys(PREFIX + f"residency:{WORKER}")) == set(digests), what="residency published"
+    )
 
     server.stop()
     server.start()
     r = redis.Redis.from_url(server.url, decode_responses=True)
     # the worker's own soft state is republished, and the store's registry restored
-    wait_for(
+    assert_soon(
         lambda: set(r.hkeys(PREFIX + f"residency:{WORKER}")) == set(digests), what="residency republished"
     )
-    wait_for(lambda: r.smembers(PREFIX + f"pins:{WORKER}") == {pinned}, what="pins republished")
-    wait_for(lambda: r.zrange(PREFIX + "adapters", 0, -1) == sorted(digests), what="registry restored")
+    assert_soon(lambda: r.smembers(PREFIX + f"pins:{WORKER}") == {pinned}, what="pins republished")
+    assert_soon(lambda: r.zrange(PREFIX + "adapters", 0, -1) == sorted(digests), what="registry restored")
     time.sleep(1.0)  # ten rounds of the worker's store check
     with WorkerClient(worker.address, timeout=60) as w:
         assert _held(w) == digests  # nothing dropped
@@ -80,9 +82,9 @@ def test_an_empty_redis_is_not_every_adapter_deleted(system) -> None:
 
         with StoreClient(store.address) as s:  # a deletion after the loss is honoured
             s.delete(used)
-        wait_for(lambda: used not in _held(w), what="the deleted adapter dropped")
+        assert_soon(lambda: used not in _held(w), what="the deleted adapter dropped")
         with pytest.raises(grpc.RpcError) as err:
             w.generate(PROMPT, adapter_id=used, max_tokens=6)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         # the failed fetch is listed ("loading") until the worker's loop has ended it
-        wait_for(lambda: _held(w) == {pinned: digests[pinned]}, what="only the pinned adapter held")
+        assert_soon(lambda: _held(w) == {pinned: digests[pinned]}, what="only the pinned adapter held")

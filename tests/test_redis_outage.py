@@ -20,7 +20,7 @@ from loraserve.clients.store_client import StoreClient
 from loraserve.clients.worker_client import WorkerClient
 from loraserve.inference_worker.server import BackgroundWorker
 from tests.helpers.private_redis import PrivateRedis
-from tests.helpers.redis_system import redis_system, wait_for
+from tests.helpers.redis_system import assert_soon, redis_system
 
 pytestmark = [
     pytest.mark.redis,
@@ -53,7 +53,7 @@ def test_services_ride_out_a_redis_outage(system) -> None:
         before = w.generate(PROMPT, adapter_id=cached, max_tokens=6).token_ids
         base = w.generate(PROMPT, max_tokens=6).token_ids
     r = redis.Redis.from_url(server.url, decode_responses=True)
-    wait_for(lambda: cached in r.hkeys(prefix + "residency:w-outage"), what="residency published")
+    assert_soon(lambda: cached in r.hkeys(prefix + "residency:w-outage"), what="residency published")
 
     server.stop()
     with WorkerClient(worker.address, timeout=60) as w:
@@ -73,9 +73,9 @@ def test_services_ride_out_a_redis_outage(system) -> None:
 
     server.start()  # same data (append-only file); what changed during the outage must converge
     r = redis.Redis.from_url(server.url, decode_responses=True)
-    wait_for(lambda: r.get(prefix + "worker:w-outage") is not None, what="heartbeat after reconnect")
+    assert_soon(lambda: r.get(prefix + "worker:w-outage") is not None, what="heartbeat after reconnect")
     assert json.loads(r.get(prefix + "worker:w-outage"))["address"] == worker.address
-    wait_for(
+    assert_soon(
         lambda: set(r.hkeys(prefix + "residency:w-outage")) == {other},
         what="residency republished as it is now",
     )
@@ -114,7 +114,7 @@ def test_a_change_the_store_check_finds_during_an_outage_reaches_redis_after(
             assert new.digest != old.digest
             time.sleep(1.0)  # several rounds of the store check, each finding the change
             server.start()
-            wait_for(
+            assert_soon(
                 lambda: w.generate(PROMPT, adapter_id=replaced, max_tokens=2).adapter_digest == new.digest,
                 what="the change announced once Redis is back",
             )

@@ -26,6 +26,7 @@ LAYOUT_VERSION = 1
 # Adapter ids, as both services accept them (DESIGN.md, step 1); always checked with fullmatch
 # (`$` would also match before a trailing newline).
 ADAPTER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+DIGEST_RE = re.compile(r"[0-9a-f]{64}")  # a payload's sha256, as manifests and hand-over files name it
 ALIGN = 64  # bytes
 CHUNK_SIZE = 1 << 20  # FetchAdapter data chunks carry at most 1 MiB
 

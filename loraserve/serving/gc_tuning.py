@@ -78,7 +78,7 @@ class GCPauses:
     def __init__(
         self,
         observe: Callable[[int, float], None],
-        observe_cpu: Callable[[int, float], None] | None = None,
+        observe_cpu: Callable[[int, float], None],
     ) -> None:
         self._observe, self._observe_cpu = observe, observe_cpu
         self._started = self._cpu_started = 0.0
@@ -90,8 +90,7 @@ class GCPauses:
         elif self._started:  # (a collection under way when this was added has no start)
             cpu, ended = time.thread_time(), time.perf_counter()
             self._observe(info["generation"], ended - self._started)
-            if self._observe_cpu is not None:
-                self._observe_cpu(info["generation"], cpu - self._cpu_started)
+            self._observe_cpu(info["generation"], cpu - self._cpu_started)
             self._started = 0.0
 
     def close(self) -> None:

@@ -1,24 +1,19 @@
-"""Workers announced in Redis as their heartbeats announce them (inference_worker/coordination:
-the set `{prefix}workers` of ids and, per id, `{prefix}worker:{id}` = JSON {"address", ...} with a
-TTL), for gateway tests whose workers are stand-ins that send none."""
+"""Workers announced in Redis by the heartbeat a worker sends (RedisCoordinator.heartbeat), for
+gateway tests whose workers are stand-ins that send none."""
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
 
 TTL_S = 60
 
 
 def announce(redis_url: str, prefix: str, addresses: Sequence[str]) -> None:
-    import redis
+    from loraserve.inference_worker.coordination.redis_coordinator import RedisCoordinator
 
-    r = redis.Redis.from_url(redis_url)
+    coordinator = RedisCoordinator(redis_url, prefix)
     try:
         for i, address in enumerate(addresses):
-            body = {"address": address, "info": {}, "expires_at": time.time() + TTL_S}
-            r.sadd(prefix + "workers", f"w{i}")
-            r.set(f"{prefix}worker:w{i}", json.dumps(body), ex=TTL_S)
+            coordinator.heartbeat(f"w{i}", address, TTL_S, {})
     finally:
-        r.close()
+        coordinator.close()

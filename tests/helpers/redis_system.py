@@ -3,7 +3,6 @@ Redis under running services. The services are imported inside: see store_fixtur
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tests.helpers.ports import free_port
 from tests.helpers.private_redis import PrivateRedis
+from tests.helpers.workers import wait_for
 
 if TYPE_CHECKING:
     from loraserve.adapter_store.server import BackgroundStore
@@ -83,9 +83,7 @@ def redis_system(
         server.stop()
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
-    """Until `predicate()` is true (polled every 0.1 s); fails the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+def assert_soon(predicate: Callable[[], object], what: str, timeout: float = 20.0) -> None:
+    """Fails the test unless `predicate()` holds within `timeout` seconds (polled every 0.1 s: some
+    predicates are calls to the services)."""
+    assert wait_for(predicate, timeout, interval=0.1), f"timed out waiting for {what}"

@@ -32,13 +32,14 @@ def worker_config(model_dir: Path, **overrides) -> WorkerConfig:
     return WorkerConfig(**{**base, **overrides})
 
 
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    """Poll `predicate` until it holds or `timeout` seconds pass; its last answer."""
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll `predicate` every `interval` seconds until it holds or `timeout` seconds pass; its last
+    answer."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if predicate():
             return True
-        time.sleep(0.01)
+        time.sleep(interval)
     return predicate()
 
 

@@ -5,14 +5,13 @@ aborted requests included)."""
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
 
 from loraserve.inference_worker.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 from loraserve.inference_worker.model.loader import load_tokenizer
-from tests.helpers.saved_garbage import saving_garbage
+from tests.helpers.saved_garbage import garbage, saving_garbage
 from tests.helpers.workers import make_engine
 from tests.inference_worker.engine.test_async_scheduling import run, workload
 
@@ -25,10 +24,7 @@ def saved_garbage():
 
 
 def _engine_garbage() -> list[str]:
-    gc.collect()
-    found = [type(o).__name__ for o in gc.garbage if isinstance(o, Sequence | SequenceGroup)]
-    gc.garbage.clear()
-    return found
+    return garbage(lambda o: isinstance(o, Sequence | SequenceGroup))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
