@@ -113,7 +113,10 @@ class SqliteRegistry:
             # what a copy of another registry knows of the one it copies (registry_mirror.py)
             self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
-    def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
+    def put(
+        self, record: AdapterRecord, overwrite: bool, meta: dict[str, str] | None = None
+    ) -> AdapterRecord | None:
+        """meta: also set in the same transaction (registry_mirror.py)."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -126,6 +129,7 @@ class SqliteRegistry:
                     "INSERT OR REPLACE INTO adapters (adapter_id, record) VALUES (?, ?)",
                     (record.adapter_id, record.to_json()),
                 )
+                self._set_meta(meta or {})
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -140,12 +144,14 @@ class SqliteRegistry:
         with self._lock:
             return self._get(adapter_id)
 
-    def delete(self, adapter_id: str) -> AdapterRecord | None:
+    def delete(self, adapter_id: str, meta: dict[str, str] | None = None) -> AdapterRecord | None:
+        """meta: also set in the same transaction (registry_mirror.py)."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 old = self._get(adapter_id)
                 self._db.execute("DELETE FROM adapters WHERE adapter_id = ?", (adapter_id,))
+                self._set_meta(meta or {})
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -162,9 +168,8 @@ class SqliteRegistry:
         with self._lock:
             return dict(self._db.execute("SELECT name, value FROM meta").fetchall())
 
-    def set_meta(self, values: dict[str, str]) -> None:
-        with self._lock:
-            self._db.executemany("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", values.items())
+    def _set_meta(self, values: dict[str, str]) -> None:
+        self._db.executemany("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", values.items())
 
     def replace_all(self, records: list[AdapterRecord], meta: dict[str, str]) -> None:
         """Make the registry hold exactly `records`, and `meta`, in one transaction."""
@@ -176,7 +181,7 @@ class SqliteRegistry:
                     "INSERT INTO adapters (adapter_id, record) VALUES (?, ?)",
                     [(r.adapter_id, r.to_json()) for r in records],
                 )
-                self._db.executemany("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", meta.items())
+                self._set_meta(meta)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")

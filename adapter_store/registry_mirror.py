@@ -70,7 +70,7 @@ class MirroredRegistry:
     def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
         def write() -> AdapterRecord | None:
             old, version = self.redis.write(record, overwrite)
-            self._copied(lambda: self.copy.put(record, overwrite=True), version)
+            self._copied(lambda meta: self.copy.put(record, overwrite=True, meta=meta), version)
             return old
 
         return self._call(write, exclusive=True)
@@ -81,7 +81,7 @@ class MirroredRegistry:
     def delete(self, adapter_id: str) -> AdapterRecord | None:
         def remove() -> AdapterRecord | None:
             old, version = self.redis.remove(adapter_id)
-            self._copied(lambda: self.copy.delete(adapter_id), version)
+            self._copied(lambda meta: self.copy.delete(adapter_id, meta=meta), version)
             return old
 
         return self._call(remove, exclusive=True)
@@ -189,15 +189,16 @@ class MirroredRegistry:
         self._copy_stale = self._foreign = False
         return len(records)
 
-    def _copied(self, write: Callable[[], object], version: int) -> None:
+    def _copied(self, write: Callable[[dict[str, str] | None], object], version: int) -> None:
         """Apply this store's write, which made registry version `version`, to the copy (under the
-        lock): the copy's version follows only when no other store's write came between."""
+        lock; `write(meta)` sets meta in the write's own transaction): the copy's version follows
+        only when no other store's write came between."""
         if version == 0:  # nothing changed in Redis (a delete of nothing); the copy must not hold it
             version = self._copy_version
+        follows = version == self._copy_version + 1
         try:
-            write()
-            if version == self._copy_version + 1:
-                self.copy.set_meta({"version": str(version)})
+            write({"version": str(version)} if follows else None)
+            if follows:
                 self._copy_version = version
             elif version != self._copy_version:
                 self._copy_stale = True

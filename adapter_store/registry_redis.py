@@ -186,7 +186,7 @@ class RedisRegistry:
 
     def _check(self, epoch: str | bytes | None, known: str) -> None:
         """RegistryLost unless `epoch`, read with what a call read, is the one this registry knows."""
-        if (epoch.decode() if isinstance(epoch, bytes) else epoch) != known:
+        if _text(epoch) != known:
             raise self._lost(known)
 
     def _lost(self, known: str) -> RegistryLost:
@@ -206,7 +206,7 @@ class RedisRegistry:
             return list(pipe.execute())
 
         epoch, version = self._call(read)
-        return (epoch.decode() if isinstance(epoch, bytes) else epoch), int(version or 0)
+        return _text(epoch), int(version or 0)
 
     def claim(self, epoch: str, min_version: int, restored_from: str = "") -> tuple[str, int]:
         """Create the epoch (as `epoch`) when Redis has none and raise the version to at least
@@ -217,7 +217,7 @@ class RedisRegistry:
             keys=[self.epoch_key, self.version_key, self.restored_key],
             args=[epoch, min_version, restored_from],
         )
-        return (found.decode() if isinstance(found, bytes) else found), int(version)
+        return _text(found), int(version)
 
     def restored(self, epoch: str) -> int:
         """The highest version of a copy of registry epoch `epoch` put back into this one; -1: none."""
@@ -239,14 +239,7 @@ class RedisRegistry:
     def write(self, record: AdapterRecord, overwrite: bool) -> tuple[AdapterRecord | None, int]:
         """`put`, and the registry version this write made."""
         epoch = self._known_epoch()
-        keys = [
-            self.record_key(record.adapter_id),
-            self.index_key,
-            self.events_key,
-            self.call_key(),
-            self.epoch_key,
-            self.version_key,
-        ]
+        keys = self._write_keys(record.adapter_id)
         args = [
             record.adapter_id,
             record.to_json(),
@@ -265,6 +258,17 @@ class RedisRegistry:
     def put(self, record: AdapterRecord, overwrite: bool) -> AdapterRecord | None:
         return self.write(record, overwrite)[0]
 
+    def _write_keys(self, adapter_id: str) -> list[str]:
+        """KEYS of PUT_SCRIPT and DELETE_SCRIPT for `adapter_id`."""
+        return [
+            self.record_key(adapter_id),
+            self.index_key,
+            self.events_key,
+            self.call_key(),
+            self.epoch_key,
+            self.version_key,
+        ]
+
     def get(self, adapter_id: str) -> AdapterRecord | None:
         epoch = self._known_epoch()
 
@@ -281,14 +285,7 @@ class RedisRegistry:
     def remove(self, adapter_id: str) -> tuple[AdapterRecord | None, int]:
         """`delete`, and the registry version this deletion made (0 when there was nothing)."""
         epoch = self._known_epoch()
-        keys = [
-            self.record_key(adapter_id),
-            self.index_key,
-            self.events_key,
-            self.call_key(),
-            self.epoch_key,
-            self.version_key,
-        ]
+        keys = self._write_keys(adapter_id)
         ok, version, old = self._call(self._delete, keys=keys, args=[adapter_id, CALL_TTL_S, epoch])
         if int(ok) < 0:
             raise self._lost(epoch)
@@ -323,7 +320,7 @@ class RedisRegistry:
         self._check(found, epoch)
         if not raw_ids:
             return [], "", int(total)
-        ids = [i.decode() if isinstance(i, bytes) else i for i in raw_ids]
+        ids = [_text(i) for i in raw_ids]
         # an id deleted between the two reads has no record left: skipped, the cursor passes it;
         # a registry lost between them is told by the epoch read with the records
         raws = self._read_records(ids, epoch)
@@ -332,3 +329,8 @@ class RedisRegistry:
 
     def close(self) -> None:
         self._redis.close()
+
+
+def _text(value: Any) -> Any:
+    """A reply of this client (which answers bytes) as text; None and numbers as they are."""
+    return value.decode() if isinstance(value, bytes) else value
