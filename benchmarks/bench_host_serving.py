@@ -131,6 +131,15 @@ async def drive(
     return got.summary, cpu / max(float(got.summary["duration_s"]), 1e-9)  # type: ignore[arg-type]
 
 
+def pin_threads(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` onto `cores` (each thread has a mask of its own); a process or
+    thread that ended meanwhile is skipped."""
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), cores)
+
+
 def start_store(
     args: argparse.Namespace, model: Path, tmp: Path, fleet: Fleet, core: int
 ) -> tuple[list[str], list[str]]:
@@ -143,9 +152,7 @@ def start_store(
     store = fleet.start_store(
         model, args.adapter_dir, cache_adapters=args.max_cpu_loras, dtype="float32", handover_dir=handover
     )
-    for task in Path(f"/proc/{store.process.pid}/task").iterdir():  # every thread: each has its own mask
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(task.name), {core})
+    pin_threads(store.process.pid, {core})
     register_all(store.address, args.adapter_dir, ids)
     if args.unknown_every > 0:  # (never registered: each request for one fetches and fails)
         k = args.unknown_every
@@ -230,10 +237,8 @@ def main() -> int:
             address, metrics = f"{found.group(1)}:{found.group(2)}", f"{found.group(3)}:{found.group(4)}"
             os.sched_setaffinity(0, {client_core})
             if args.worker_alone:  # its front and fetch processes beside the client instead
-                for child in child_pids(proc.pid):  # every thread: each has its own mask
-                    with contextlib.suppress(OSError):
-                        for task in Path(f"/proc/{child}/task").iterdir():
-                            os.sched_setaffinity(int(task.name), {client_core})
+                for child in child_pids(proc.pid):
+                    pin_threads(child, {client_core})
             asyncio.run(drive(address, args, args.warmup, adapter_ids=ids))
             step_tid = int(tid_file.read_text())
             spy = None

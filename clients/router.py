@@ -48,13 +48,8 @@ import grpc
 
 from loraserve.clients.channel import KEEPALIVE, Keepalive
 from loraserve.clients.placement import weight
-from loraserve.clients.worker_client import (
-    FIRST_MESSAGE_TIMEOUT_S,
-    Delta,
-    FirstMessageTimeout,
-    Generation,
-    WorkerClient,
-)
+from loraserve.clients.worker_client import FIRST_MESSAGE_TIMEOUT_S, FirstMessageTimeout, WorkerClient
+from loraserve.clients.worker_messages import Delta, Generation
 from loraserve.v1 import worker_pb2
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)

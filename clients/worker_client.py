@@ -41,7 +41,13 @@ from loraserve.clients.channel import (
     open_aio_channel,
     open_channel,
 )
-from loraserve.clients.worker_messages import Delta, Generation, _delta, _generation, build_request
+from loraserve.clients.worker_messages import (
+    Delta,
+    Generation,
+    build_request,
+    delta_from_pb,
+    generation_from_pb,
+)
 from loraserve.v1 import worker_pb2, worker_pb2_grpc
 
 TIERS = {"gpu": worker_pb2.ADAPTER_TIER_GPU, "cpu": worker_pb2.ADAPTER_TIER_CPU}
@@ -151,7 +157,7 @@ class WorkerClient(_Base, ChannelClient):
         self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
     ) -> Generation:
         r = self.stub.Generate(build_request(prompt, **kw), metadata=self._md(), timeout=self._unary(timeout))
-        return _generation(r)
+        return generation_from_pb(r)
 
     def generate_stream(
         self,
@@ -168,7 +174,7 @@ class WorkerClient(_Base, ChannelClient):
         try:
             for r in call:
                 watch.end()
-                yield _delta(r)
+                yield delta_from_pb(r)
         except grpc.RpcError:
             if watch.expired:
                 raise FirstMessageTimeout(watch.seconds or 0.0) from None
@@ -218,7 +224,7 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
         r = await self.stub.Generate(
             build_request(prompt, **kw), metadata=self._md(), timeout=self._unary(timeout)
         )
-        return _generation(r)
+        return generation_from_pb(r)
 
     def open_stream(
         self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None, **kw
@@ -248,9 +254,9 @@ class AsyncWorkerClient(_Base, AsyncChannelClient):
                 raise FirstMessageTimeout(first_s or 0.0) from None
             except StopAsyncIteration:
                 return
-            yield _delta(first)
+            yield delta_from_pb(first)
             async for r in messages:
-                yield _delta(r)
+                yield delta_from_pb(r)
         finally:
             call.cancel()
 

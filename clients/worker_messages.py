@@ -160,7 +160,7 @@ def _completion(c: worker_pb2.Completion) -> Completion:
     )
 
 
-def _generation(r: worker_pb2.GenerateResponse) -> Generation:
+def generation_from_pb(r: worker_pb2.GenerateResponse) -> Generation:
     completions = [_completion(c) for c in r.completions] or [
         Completion(0, r.text, list(r.token_ids), FINISH_REASONS[r.finish_reason])
     ]
@@ -176,7 +176,7 @@ def _generation(r: worker_pb2.GenerateResponse) -> Generation:
     )
 
 
-def _delta(r: worker_pb2.GenerateStreamResponse) -> Delta:
+def delta_from_pb(r: worker_pb2.GenerateStreamResponse) -> Delta:
     return Delta(
         r.request_id,
         r.text,

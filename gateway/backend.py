@@ -24,7 +24,8 @@ import grpc
 
 from loraserve.clients.router import WorkerRouter, WorkerView, discover_workers
 from loraserve.clients.store_client import AsyncStoreClient
-from loraserve.clients.worker_client import AsyncWorkerClient, ClientTurns, Delta, Generation
+from loraserve.clients.worker_client import AsyncWorkerClient, ClientTurns
+from loraserve.clients.worker_messages import Delta, Generation
 from loraserve.gateway.config import GatewayConfig
 from loraserve.serving import tracing
 from loraserve.v1 import adapter_pb2

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
-from loraserve.clients.worker_client import Delta
+from loraserve.clients.worker_messages import Delta
 from loraserve.gateway.backend import Backend
 from loraserve.gateway.config import GatewayConfig
 from loraserve.gateway.errors import APIError
