@@ -42,6 +42,7 @@ from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.sequence import SamplingParams
 from loraserve.inference_worker.lora.layer import LoRALayer, worker_launch_options
 from loraserve.inference_worker.lora.payload import AdapterPayload
+from loraserve.inference_worker.model import launch
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.inference_worker.model.tiny import word_tokenizer
@@ -353,6 +354,16 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     # variant, each with its own KV cache and graphs (captured with that variant's launches)
     engines = {"base": LLMEngine(model, tokenizer, engine_config())}
     engines["base"].runner.capture_graphs()
+    if args.model_pdl_variants:  # base and LoRA engines whose own model kernels launch without PDL
+        previous = launch.set_pdl(False)
+        try:
+            engines["base, model PDL off"] = LLMEngine(model, tokenizer, engine_config())
+            engines["base, model PDL off"].runner.capture_graphs()
+            set_launch_options(model, default)
+            engines["model PDL off"] = LLMEngine(model, tokenizer, engine_config(), adapters)
+            engines["model PDL off"].runner.capture_graphs()
+        finally:
+            launch.set_pdl(previous)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     variants: dict[str, tuple[LaunchOptions, torch.cuda.Stream | None]] = {"default": (default, None)}
     if args.fused_silu_variant:  # the gate | up expand writing the activation at decode sizes too
@@ -382,11 +393,13 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     )
 
     cases = [("base engine", "base", 0)]
-    for name in variants:
+    if args.model_pdl_variants:
+        cases.append(("base engine, model PDL off", "base, model PDL off", 0))
+    for name in variants | ({"model PDL off": None} if args.model_pdl_variants else {}):
         cases += [(f"LoRA {name}, {n} adapters", name, n) for n in counts]
     for name, engine in engines.items():  # warm up every engine
         bind(engine)
-        decode_run(engine, distinct_ids(0 if name == "base" else max(counts), BATCH), vocab, 8)
+        decode_run(engine, distinct_ids(0 if name.startswith("base") else max(counts), BATCH), vocab, 8)
     tps = interleaved_decode(engines, cases, vocab, args.reps)
     r["decode"] = summarize(tps, "base engine")
     r["decode_raw"] = tps
@@ -452,6 +465,12 @@ def main() -> int:
         dest="pdl_variants",
         action="store_false",
         help="skip the LoRA engines with programmatic dependent launch flipped (a shorter run)",
+    )
+    ap.add_argument(
+        "--model-pdl-variants",
+        action="store_true",
+        help="also a base and a LoRA engine whose model kernels (norms, RoPE, attention, activation) "
+        "launch without programmatic dependent launch",
     )
     ap.add_argument(
         "--fused-silu-variant",

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.inference_worker.model.launch import pdl_launch
 from loraserve.inference_worker.model.paged_inputs import paged_inputs
 
 # Kernel parameters stay unannotated (type: ignore[no-untyped-def]): Triton reads a parameter's
@@ -57,10 +58,13 @@ def _decode_part_kernel(  # type: ignore[no-untyped-def]
     PART_: tl.constexpr,
     TILE_: tl.constexpr,
     IEEE: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     part = tl.program_id(2)
+    if WAIT_PRIOR:  # launched with PDL (model/launch.py): q comes from the kernel before
+        tl.extra.cuda.gdc_wait()
     ctx = tl.load(CL + b)
     start = part * PART_
     if start < ctx:
@@ -121,9 +125,12 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     GP: tl.constexpr,
     D: tl.constexpr,
     PART_: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if WAIT_PRIOR:  # launched with PDL (model/launch.py): the parts come from the kernel before
+        tl.extra.cuda.gdc_wait()
     ctx = tl.load(CL + b)
     num_parts = tl.cdiv(ctx, PART_)
     offs_g = tl.arange(0, GP)
@@ -192,6 +199,7 @@ def paged_decode_attention(
         TILE_=TILE,
         IEEE=q.dtype == torch.float32,
         num_warps=4,
+        **pdl_launch(q.device),
     )
     _decode_reduce_kernel[(b, nkv)](
         m,
@@ -209,5 +217,6 @@ def paged_decode_attention(
         D=d,
         PART_=PART,
         num_warps=4,
+        **pdl_launch(q.device),
     )
     return out

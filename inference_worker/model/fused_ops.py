@@ -15,15 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.inference_worker.model.launch import pdl_launch
+
 # Kernel parameters stay unannotated (type: ignore[no-untyped-def]): Triton reads a parameter's
 # annotation as a specialization hint, so a type there would change the compiled kernel.
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, Y, RO, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]
+    X, R, W, Y, RO, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, WAIT_PRIOR: tl.constexpr = False
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < H
+    w = tl.load(W + offs, mask=m, other=0.0)  # a weight: no kernel of the step writes it
+    if WAIT_PRIOR:  # launched with PDL (model/launch.py): x and the residual after the kernel before
+        tl.extra.cuda.gdc_wait()
     x = tl.load(X + row * H + offs, mask=m, other=0.0)
     if HAS_RES:
         x = x + tl.load(R + row * H + offs, mask=m, other=0.0)  # in the activation dtype, as the reference
@@ -31,7 +38,6 @@ def _rms_norm_kernel(X, R, W, Y, RO, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.co
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / H
     y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(W + offs, mask=m, other=0.0)
     tl.store(Y + row * H + offs, w * y, mask=m)
 
 
@@ -53,15 +59,32 @@ def rms_norm(
         HAS_RES=residual is not None,
         BLOCK=triton.next_power_of_2(h),
         num_warps=8 if h >= 4096 else 4,
+        **pdl_launch(x.device),
     )
     return y, ro
 
 
 @triton.jit
 def _rope_cache_kernel(  # type: ignore[no-untyped-def]
-    QKV, CS, SLOT, QO, KO, KC, VC, s_qkv, s_cs, NH, NKV, D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr
+    QKV,
+    CS,
+    SLOT,
+    QO,
+    KO,
+    KC,
+    VC,
+    s_qkv,
+    s_cs,
+    NH,
+    NKV,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    BH: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if WAIT_PRIOR:  # launched with PDL (model/launch.py)
+        tl.extra.cuda.gdc_wait()
     j = tl.arange(0, HALF)
     hs = tl.arange(0, BH)
     cos = tl.load(CS + t * s_cs + j)[None, :]
@@ -126,13 +149,16 @@ def rope_and_cache(
         HALF=head_dim // 2,
         BH=triton.next_power_of_2(max(num_heads, num_kv_heads)),
         num_warps=4,
+        **pdl_launch(qkv.device),
     )
     return q, k
 
 
 @triton.jit
-def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr, WAIT_PRIOR: tl.constexpr = False):  # type: ignore[no-untyped-def]
     t = tl.program_id(0).to(tl.int64)
+    if WAIT_PRIOR:  # launched with PDL (model/launch.py)
+        tl.extra.cuda.gdc_wait()
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
     g = tl.load(X + t * 2 * inter + offs, mask=m, other=0.0).to(tl.float32)
@@ -147,5 +173,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     y = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, y, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](
+        gate_up, y, inter, BLOCK=block, num_warps=4, **pdl_launch(gate_up.device)
+    )
     return y

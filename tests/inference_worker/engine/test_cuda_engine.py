@@ -11,6 +11,7 @@ import torch
 from loraserve.inference_worker.engine.device_timing import DeviceTiming
 from loraserve.inference_worker.engine.engine import EngineConfig, LLMEngine
 from loraserve.inference_worker.engine.sequence import RequestOutput, SamplingParams
+from loraserve.inference_worker.model import launch
 from loraserve.inference_worker.model.loader import load_model, load_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -72,6 +73,19 @@ def test_cuda_graphs_match_eager_bf16(tiny_model_dir: Path) -> None:
     assert run(tiny_model_dir, "cuda", torch.bfloat16, graphs=True) == run(
         tiny_model_dir, "cuda", torch.bfloat16, graphs=False
     )
+
+
+def test_model_kernels_decode_alike_with_and_without_pdl(tiny_model_dir: Path) -> None:
+    """The model's own kernels launched with programmatic dependent launch (the default where the
+    GPU supports it, model/launch.py) decode what they decode launched plainly, eagerly and from
+    graphs."""
+    with_pdl = [run(tiny_model_dir, "cuda", torch.bfloat16, graphs=g) for g in (True, False)]
+    previous = launch.set_pdl(False)
+    try:
+        plain = [run(tiny_model_dir, "cuda", torch.bfloat16, graphs=g) for g in (True, False)]
+    finally:
+        launch.set_pdl(previous)
+    assert with_pdl == plain
 
 
 def test_steps_timed_on_the_device(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from loraserve.inference_worker.model import decode_attention, fused_ops, prefill_attention
+from loraserve.inference_worker.model import decode_attention, fused_ops, launch, prefill_attention
 from tests.helpers.triton_compile import compile_launch, record_launches, resources
 
 # (hidden, intermediate, heads, kv heads, head_dim)
@@ -23,9 +23,12 @@ def assert_no_spills(launches: list) -> None:
         assert use["STACK"] == 0 and use["LOCAL"] == 0, (kernel.fn.__name__, use)
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_worker_kernels_compile_for_hopper(monkeypatch, shape) -> None:
+def test_worker_kernels_compile_for_hopper(monkeypatch, shape, pdl) -> None:
+    """Also as launched with programmatic dependent launch (model/launch.py), as on a Hopper GPU."""
     hidden, inter, nh, nkv, d = SHAPES[shape]
+    monkeypatch.setattr(launch, "pdl_supported", lambda device: pdl)
     t, bf16 = 3, torch.bfloat16
     launches = record_launches(
         monkeypatch, fused_ops, "_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel"
@@ -51,6 +54,8 @@ def test_worker_kernels_compile_for_hopper(monkeypatch, shape) -> None:
         d**-0.5,
     )
     assert len(launches) == 6
+    assert all(kwargs.get("launch_pdl", False) == pdl for _, _, kwargs in launches)
+    assert all(kwargs.get("WAIT_PRIOR", False) == pdl for _, _, kwargs in launches)
     assert_no_spills(launches)
 
 
