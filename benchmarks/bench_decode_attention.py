@@ -86,7 +86,12 @@ def time_us(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", default="", help="another version of decode_attention.py to compare")
+    ap.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        help="another version of decode_attention.py to compare (repeatable; the first is the ratio's baseline)",
+    )
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--contexts", default="64,200,600,2000")
     ap.add_argument("--max-model-len", type=int, default=4096, help="the block tables' width, in tokens")
@@ -94,8 +99,8 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     versions: dict[str, Callable] = {"this tree": decode_attention.paged_decode_attention}
-    if args.baseline:
-        versions["baseline"] = load_version(args.baseline)
+    for i, path in enumerate(args.baseline):
+        versions["baseline" if i == 0 else Path(path).stem] = load_version(path)
     width = args.max_model_len // BLOCK
     rows = []
     for shape, (nh, nkv, d) in SHAPES.items():

@@ -13,7 +13,6 @@ larger steps, and those of a tensor-parallel leader, run eagerly.
 from __future__ import annotations
 
 import array
-import functools
 import logging
 
 import torch
@@ -108,14 +107,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             from loraserve.inference_worker.model.decode_attention import paged_decode_attention
 
-            # the decode kernel's arrival counters: one zeroed buffer for every layer and step (each
-            # launch leaves it at zero), sized for the most decode rows a step can hold
-            rows = max(max_num_seqs, max_num_batched_tokens)
-            counters = torch.zeros(rows * model.num_kv_heads, dtype=torch.int32, device=self.device)
             for layer in model.layers:
-                layer.self_attn.decode_attention = functools.partial(
-                    paged_decode_attention, counters=counters
-                )
+                layer.self_attn.decode_attention = paged_decode_attention
         # on CUDA, steps with prefill chunks run their decode rows as one-token prefill segments
         self.unified = self.device.type == "cuda" and not self.sharded
         self._inputs = StepInputs(self.device)  # the step's host tensors to the device, one copy

@@ -5,12 +5,13 @@ Semantics (same as attention.decode_attention_reference):
         out[b, hq] = softmax(q[b, hq] @ K[b, :len_b, h].T * scale) @ V[b, :len_b, h]
     with K[b, p] = k_cache[block_tables[b, p // bs], p % bs].
 
-One launch, grid (B, num_kv_heads, max_parts): each program covers PART tokens of one sequence for
-all query heads of one KV head (rows padded to >= 16 for tl.dot), keeping the running max, sum and
-weighted values (online softmax). A sequence of one part writes its output from there; otherwise
-each part writes them to fp32 scratch and the last part to finish (an arrival counter per sequence
-and KV head) merges them. Programs past the sequence's length exit at once. Context lengths are
-read on the device, so one launch shape serves every step (CUDA-graph friendly).
+Pass 1, grid (B, num_kv_heads, max_parts): each program covers PART tokens of one sequence for all
+query heads of one KV head (rows padded to >= 16 for tl.dot), keeping the running max, sum and
+weighted values (online softmax). A context of one part is written as the output there and then;
+a longer one's parts go to fp32 scratch (the rows that are heads). Programs past the sequence's
+length exit at once. Pass 2, grid (B, num_kv_heads), merges the parts of the contexts longer than
+one part (the others' programs exit at once). Context lengths are read on the device, so one launch
+shape serves every step (CUDA-graph friendly).
 """
 
 from __future__ import annotations
@@ -32,34 +33,8 @@ TILE = 64
 # The per-step metadata (block tables, context lengths) is sliced out of one packed buffer at offsets
 # that change from step to step, and the block-table width follows the longest context: left
 # unspecialized (scalar loads either way), so these never compile a new variant under traffic.
-@triton.jit
-def _merge_parts(M, L, ACC, mo, s_mp, num_parts, GP: tl.constexpr, D: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The attention of one (sequence, KV head) from its parts' running max, sum and weighted
-    values (mo: the part-0 offsets of its GP rows): [GP, D] float32. Read past L1 (.cg): the
-    parts were written by other programs."""
-    offs_d = tl.arange(0, D)
-    m = tl.full([GP], -1e30, tl.float32)
-    lsum = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for part in range(0, num_parts):
-        at = mo + part * s_mp
-        mp = tl.load(M + at, cache_modifier=".cg")
-        lp = tl.load(L + at, cache_modifier=".cg")
-        ap = tl.load(ACC + at[:, None] * D + offs_d[None, :], cache_modifier=".cg")
-        m_new = tl.maximum(m, mp)
-        a_old = tl.exp(m - m_new)
-        a_new = tl.exp(mp - m_new)
-        lsum = lsum * a_old + lp * a_new
-        acc = acc * a_old[:, None] + ap * a_new[:, None]
-        m = m_new
-    return acc / lsum[:, None]
-
-
-# The per-step metadata (block tables, context lengths) is sliced out of one packed buffer at offsets
-# that change from step to step, and the block-table width follows the longest context: left
-# unspecialized (scalar loads either way), so these never compile a new variant under traffic.
 @triton.jit(do_not_specialize=["s_btb"], do_not_specialize_on_alignment=["BT", "CL"])
-def _decode_kernel(  # type: ignore[no-untyped-def]
+def _decode_part_kernel(  # type: ignore[no-untyped-def]
     Q,
     K,
     V,
@@ -68,7 +43,6 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     M,
     L,
     ACC,
-    CNT,
     Out,
     scale,
     s_qb,
@@ -97,7 +71,6 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     if WAIT_PRIOR:  # launched with PDL (model/launch.py): q comes from the kernel before
         tl.extra.cuda.gdc_wait()
     ctx = tl.load(CL + b)
-    num_parts = tl.cdiv(ctx, PART_)
     start = part * PART_
     if start < ctx:
         end = tl.minimum(start + PART_, ctx)
@@ -118,8 +91,6 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
             blk = tl.load(BT + b * s_btb + offs_t // BS, mask=tmask, other=0).to(tl.int64)
             base = blk * s_kb + (offs_t % BS) * s_ks + h * s_kh
             k = tl.load(K + base[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
-            # v issued with k: both reads in flight before the scores need k
-            v = tl.load(V + base[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
             if IEEE:  # float32 caches: exact products, not TF32
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -130,29 +101,72 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             lsum = lsum * alpha + tl.sum(p, 1)
+            v = tl.load(V + base[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             m = m_new
-        out_at = Out + b * s_ob + (h * GROUP + offs_g)[:, None] * s_oh + offs_d[None, :]
-        if num_parts == 1:  # the whole context in this program: no partials, no merge
+        if ctx <= PART_:  # the whole context in this program: its output, no pass 2
+            out_at = Out + b * s_ob + (h * GROUP + offs_g)[:, None] * s_oh + offs_d[None, :]
             tl.store(out_at, (acc / lsum[:, None]).to(Out.dtype.element_ty), mask=gmask[:, None])
         else:
-            mo = b * s_mb + h * s_mh + offs_g
-            tl.store(M + mo + part * s_mp, m)
-            tl.store(L + mo + part * s_mp, lsum)
-            tl.store(ACC + (mo + part * s_mp)[:, None] * D + offs_d[None, :], acc)
-            # the last of the sequence's parts to finish merges them: every thread's partials are
-            # stored before the arrival (barrier, then the counter's release); the merge reads
-            # after its acquire. That program sets the counter back to 0 for the next launch.
-            tl.debug_barrier()
-            cnt = CNT + b * tl.num_programs(1) + h
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == num_parts - 1:
-                tl.atomic_xchg(cnt, 0, sem="relaxed")
-                out = _merge_parts(M, L, ACC, mo, s_mp, num_parts, GP, D)
-                tl.store(out_at, out.to(Out.dtype.element_ty), mask=gmask[:, None])
+            mo = b * s_mb + h * s_mh + part * s_mp + offs_g
+            tl.store(M + mo, m, mask=gmask)
+            tl.store(L + mo, lsum, mask=gmask)
+            tl.store(ACC + mo[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit(do_not_specialize_on_alignment=["CL"])
+def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
+    M,
+    L,
+    ACC,
+    CL,
+    Out,
+    s_mb,
+    s_mh,
+    s_mp,
+    s_ob,
+    s_oh,
+    GROUP: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    PART_: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr = False,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if WAIT_PRIOR:  # launched with PDL (model/launch.py): the parts come from the kernel before
+        tl.extra.cuda.gdc_wait()
+    ctx = tl.load(CL + b)
+    if ctx <= PART_:  # pass 1 wrote this output
+        return
+    num_parts = tl.cdiv(ctx, PART_)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    gmask = offs_g < GROUP
+    m = tl.full([GP], -1e30, tl.float32)
+    lsum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for part in range(0, num_parts):
+        mo = b * s_mb + h * s_mh + part * s_mp + offs_g
+        mp = tl.load(M + mo, mask=gmask, other=-1e30)
+        lp = tl.load(L + mo, mask=gmask, other=1.0)
+        ap = tl.load(ACC + mo[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        m_new = tl.maximum(m, mp)
+        a_old = tl.exp(m - m_new)
+        a_new = tl.exp(mp - m_new)
+        lsum = lsum * a_old + lp * a_new
+        acc = acc * a_old[:, None] + ap * a_new[:, None]
+        m = m_new
+    out = acc / lsum[:, None]
+    tl.store(
+        Out + b * s_ob + (h * GROUP + offs_g)[:, None] * s_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=gmask[:, None],
+    )
 
 
 def paged_decode_attention(
@@ -162,25 +176,19 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, nh, d], k_cache/v_cache: [num_blocks, bs, nkv, d], block_tables: [B, max_blocks] int32,
-    context_lens: [B] int32 (each >= 1) -> out [B, nh, d]. counters: int32 zeros, at least B * nkv
-    (the merge's arrival counts, left at zero by every launch: one buffer serves every layer and
-    step of one stream); None: a new one per call."""
+    context_lens: [B] int32 (each >= 1) -> out [B, nh, d]."""
     b, _, d = q.shape
     _, bs, nkv, _ = k_cache.shape
     q, block_tables, group, strides = paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    if counters is None:
-        counters = torch.zeros(b * nkv, dtype=torch.int32, device=q.device)
-    assert counters.dtype == torch.int32 and counters.numel() >= b * nkv and counters.is_contiguous()
     gp = max(16, triton.next_power_of_2(group))
     max_parts = triton.cdiv(block_tables.shape[1] * bs, PART)
     m = torch.empty((b, nkv, max_parts, gp), dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty((b, nkv, max_parts, gp, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    _decode_kernel[(b, nkv, max_parts)](
+    _decode_part_kernel[(b, nkv, max_parts)](
         q,
         k_cache,
         v_cache,
@@ -189,7 +197,6 @@ def paged_decode_attention(
         m,
         lsum,
         acc,
-        counters,
         out,
         scale,
         *strides,
@@ -205,6 +212,24 @@ def paged_decode_attention(
         PART_=PART,
         TILE_=TILE,
         IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        **pdl_launch(q.device),
+    )
+    _decode_reduce_kernel[(b, nkv)](
+        m,
+        lsum,
+        acc,
+        context_lens,
+        out,
+        m.stride(0),
+        m.stride(1),
+        m.stride(2),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GP=gp,
+        D=d,
+        PART_=PART,
         num_warps=4,
         **pdl_launch(q.device),
     )

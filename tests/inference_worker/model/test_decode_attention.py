@@ -29,22 +29,16 @@ def check(device, dtype, nh, nkv, d, bs, lens, atol):
         nb = (n + bs - 1) // bs
         table[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
     table, cl = table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+    out = paged_decode_attention(q, k, v, table, cl, d ** -0.5)
     ref = decode_attention_reference(q.float(), k.float(), v.float(), table, cl, d ** -0.5)
-    # one counter buffer over several launches, as the model runner keeps it: each leaves it at zero
-    counters = torch.zeros(len(lens) * nkv + 5, dtype=torch.int32, device=device)
-    first = paged_decode_attention(q, k, v, table, cl, d ** -0.5, counters=counters)
-    torch.testing.assert_close(first.float(), ref, atol=atol, rtol=0)
-    assert not counters.any()
-    again = paged_decode_attention(q, k, v, table, cl, d ** -0.5, counters=counters)
-    assert torch.equal(again, first) and not counters.any()
-    torch.testing.assert_close(paged_decode_attention(q, k, v, table, cl, d ** -0.5).float(), ref, atol=atol, rtol=0)
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test covers the kernel")
 def test_kernel_in_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    code = CASE + "\ncheck('cpu', torch.float32, 4, 2, 16, 16, [1, 17, 600], 1e-4)\nprint('ok')\n"
+    code = CASE + "\ncheck('cpu', torch.float32, 4, 2, 16, 16, [1, 17, 512, 513, 1600], 1e-4)\nprint('ok')\n"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -33,7 +33,9 @@ def test_worker_kernels_compile_for_hopper(monkeypatch, shape, pdl) -> None:
     launches = record_launches(
         monkeypatch, fused_ops, "_rms_norm_kernel", "_rope_cache_kernel", "_silu_mul_kernel"
     )
-    record_launches(monkeypatch, decode_attention, "_decode_kernel", into=launches)
+    record_launches(
+        monkeypatch, decode_attention, "_decode_part_kernel", "_decode_reduce_kernel", into=launches
+    )
     x = torch.zeros(t, hidden, dtype=bf16)
     fused_ops.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5)
     fused_ops.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5, residual=x)
@@ -51,7 +53,7 @@ def test_worker_kernels_compile_for_hopper(monkeypatch, shape, pdl) -> None:
         torch.ones(t, dtype=torch.int32),
         d**-0.5,
     )
-    assert len(launches) == 5
+    assert len(launches) == 6
     assert all(kwargs.get("launch_pdl", False) == pdl for _, _, kwargs in launches)
     assert all(kwargs.get("WAIT_PRIOR", False) == pdl for _, _, kwargs in launches)
     assert_no_spills(launches)
