@@ -49,7 +49,7 @@ KINDS = (
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
     ("lora shrink", ("shrink",)),
     ("lora expand", ("expand",)),
-    ("attention", ("_decode_kernel", "_decode_part", "_decode_reduce")),
+    ("attention", ("_decode_part", "_decode_reduce")),
     ("rmsnorm", ("_rms_norm",)),
     ("rope+kv", ("_rope_cache",)),
     ("silu*up", ("_silu_mul",)),
