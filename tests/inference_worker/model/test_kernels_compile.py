@@ -1,6 +1,7 @@
 """The worker's Triton kernels (RMSNorm, RoPE + KV-cache write, SiLU x up, paged decode and prefill
-attention) compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and Llama-3-8B shapes, and use no more
-registers than they have (tests/helpers/triton_compile.py records the launches of the real wrappers)."""
+attention, the skinny decode GEMM) compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and
+Llama-3-8B shapes, and use no more registers than they have (tests/helpers/triton_compile.py records
+the launches of the real wrappers)."""
 
 from __future__ import annotations
 
