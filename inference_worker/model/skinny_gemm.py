@@ -72,7 +72,8 @@ class SkinnyConfig:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
-    """A first guess for 16-bit weights: about 1-4 programs per SM, each reading >= ~32 KB of w.
+    """A first guess for 16-bit weights: a grid of at least one program per SM (1-2 for the narrow
+    projections), each reading >= ~32 KB of w.
 
     block_n: the widest of 64, 32, 16 that still gives every SM an n tile; below that (a narrow N)
     16 rows, and K split in two, four, ... while the grid is under one program per SM and each part
