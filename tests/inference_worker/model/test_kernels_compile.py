@@ -1,6 +1,7 @@
 """The worker's Triton kernels (RMSNorm, RoPE + KV-cache write, SiLU x up, paged decode and prefill
-attention) compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and Llama-3-8B shapes, and use no more
-registers than they have (tests/helpers/triton_compile.py records the launches of the real wrappers)."""
+attention, the skinny decode GEMM) compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and
+Llama-3-8B shapes, and use no more registers than they have (tests/helpers/triton_compile.py records
+the launches of the real wrappers)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from loraserve.inference_worker.model import decode_attention, fused_ops, launch, prefill_attention
+from loraserve.inference_worker.model import (
+    decode_attention,
+    fused_ops,
+    launch,
+    prefill_attention,
+    skinny_gemm,
+)
 from tests.helpers.triton_compile import compile_launch, record_launches, resources
 
 # (hidden, intermediate, heads, kv heads, head_dim)
@@ -76,4 +83,33 @@ def test_prefill_attention_compiles_for_hopper(monkeypatch, shape, dtype) -> Non
         d**-0.5,
     )
     assert len(launches) == 1
+    assert_no_spills(launches)
+
+
+# (N, K) of the narrow decode projections: q|k|v, o, down
+SKINNY_SHAPES = {
+    "1b-qkv": (3072, 2048),
+    "1b-o": (2048, 2048),
+    "1b-down": (2048, 8192),
+    "8b-qkv": (6144, 4096),
+    "8b-o": (4096, 4096),
+    "8b-down": (4096, 14336),
+}
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("shape", list(SKINNY_SHAPES))
+def test_skinny_gemm_compiles_for_hopper(monkeypatch, shape, rows, pdl) -> None:
+    """The default configuration of each narrow projection (split K or not, dot or not)."""
+    n, k = SKINNY_SHAPES[shape]
+    monkeypatch.setattr(launch, "pdl_supported", lambda device: pdl)
+    launches = record_launches(monkeypatch, skinny_gemm, "_skinny_kernel")
+    config = skinny_gemm.default_config(rows, n, k, H200_SMS)
+    x, w = torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
+    skinny_gemm.skinny_linear(x, w, config=config)
+    assert len(launches) == 1
+    assert launches[0][2].get("WAIT_PRIOR", False) == pdl
+    assert launches[0][2]["SPLIT"] == (config.split_k > 1)
     assert_no_spills(launches)
