@@ -1,17 +1,20 @@
 """Where a decode step's device time goes: every kernel of the worker's engine steps, by kind, for
-the base engine and the LoRA engine, with the model's own kernels launched with programmatic
-dependent launch (PDL, model/launch.py) and without, in one process (GPU).
+the base engine and the LoRA engine, each with one feature on and off in one process (GPU):
+`--compare pdl` the model's own kernels launched with programmatic dependent launch (PDL,
+model/launch.py) or not; `--compare skinny` one-row steps' narrow projections on the skinny GEMM
+(model/linear.py) or on cuBLAS.
 
 For a Llama-3.2-1B- and a Llama-3-8B-shaped random bf16 model (bench_lora_worker.py's shapes and
 rank-16 adapters on all seven modules), each case decodes a batch and profiles `--steps` engine
 steps (torch.profiler, CUDA activity): per step, the kernels of each kind (cuBLAS GEMMs, LoRA
 shrink and expand, attention, RMSNorm, RoPE + KV write, SiLU x up, the rest), their summed time, and
 the time the device was busy (the union of kernel intervals; with PDL two kernels may overlap). Then
-the step's graph replayed alone, timed with CUDA events in rounds that alternate the PDL settings,
+the step's graph replayed alone, timed with CUDA events in rounds that alternate the two settings,
 against the step's memory roofline (weights + adapters + KV read once at the measured copy
 bandwidth).
 
-    python benchmarks/profile_decode.py [--shapes 1b,8b] [--steps 16] [--rounds 5] [--json out.json]
+    python benchmarks/profile_decode.py [--compare pdl|skinny] [--shapes 1b,8b] [--steps 16] [--rounds 5]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -127,6 +132,27 @@ def kernel_profile(engine: LLMEngine, steps: int) -> dict:
     }
 
 
+@contextlib.contextmanager
+def turned_off(model: LlamaModel, feature: str) -> Iterator[None]:
+    """`feature` off for the engines built and graphs captured inside."""
+    if feature == "pdl":
+        previous = launch.set_pdl(False)
+        try:
+            yield
+        finally:
+            launch.set_pdl(previous)
+        return
+    linears = model.grouped_linears().values()
+    saved = [m.skinny for m in linears]
+    for m in linears:
+        m.skinny = False
+    try:
+        yield
+    finally:
+        for m, was in zip(linears, saved, strict=True):
+            m.skinny = was
+
+
 def replay_ms(engine: LLMEngine, batch: int, reps: int = 32) -> float:
     graph = engine.runner.graphs[next(k for k in sorted(engine.runner.graphs) if k >= batch)]
     graph.replay()
@@ -161,17 +187,18 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float) -> dict:
     running.load(p.adapter_id for p in payloads)
     tokenizer = word_tokenizer(cfg["vocab_size"])
     engines: dict[str, LLMEngine] = {}
-    for pdl in (True, False):
-        previous = launch.set_pdl(pdl)
-        try:
+    for setting in ("on", "off"):
+        with turned_off(model, args.compare) if setting == "off" else contextlib.nullcontext():
             for name, with_lora in (("base", None), ("lora", adapters)):
                 engine = LLMEngine(model, tokenizer, engine_config(), with_lora)
                 engine.runner.capture_graphs()
-                engines[f"{name}, model PDL {'on' if pdl else 'off'}"] = engine
-        finally:
-            launch.set_pdl(previous)
+                engines[f"{name}, {args.compare} {setting}"] = engine
     kv_per_token = kv_bytes_per_block(model, 16) / 16
-    cases = [("base", 1, 0), ("base", BATCH, 0), ("lora", BATCH, 1), ("lora", BATCH, 32)]
+    cases = [("base", int(b), 0) for b in args.batches.split(",") if b] + [
+        ("lora", BATCH, 1),
+        ("lora", BATCH, 32),
+    ]
+    cases = [c for c in cases if c[0] == "base" or args.lora]
     out: dict = {"weights_gb": weight_bytes / 1e9, "adapter_mb": payloads[0].nbytes / 1e6, "cases": {}}
     for kind, batch, n in cases:
         label = f"{kind}, batch {batch}" + (f", {n} adapters" if n else "")
@@ -179,29 +206,29 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float) -> dict:
         ids_of = ["" if n == 0 else f"bench-{i % n}" for i in range(batch)]
         replays: dict[str, list[float]] = {"on": [], "off": []}
         running_ids: dict[str, list[str]] = {}
-        for pdl in ("on", "off"):
-            engine = engines[f"{kind}, model PDL {pdl}"]
+        for setting in ("on", "off"):
+            engine = engines[f"{kind}, {args.compare} {setting}"]
             bind(engine)
-            running_ids[pdl] = start(engine, ids_of, cfg["vocab_size"], 64 + args.steps)
-            row[f"profile_pdl_{pdl}"] = kernel_profile(engine, args.steps)
+            running_ids[setting] = start(engine, ids_of, cfg["vocab_size"], 64 + args.steps)
+            row[f"profile_{setting}"] = kernel_profile(engine, args.steps)
             ctx = sum(s.num_tokens for s in engine.scheduler.running)
             row["kv_gb"] = ctx * kv_per_token / 1e9
-            stop(engine, running_ids[pdl])
+            stop(engine, running_ids[setting])
             # the replay of the last decode step's graph (its inputs stay as the last step left them)
         for r in range(args.rounds):
-            for pdl in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                replays[pdl].append(replay_ms(engines[f"{kind}, model PDL {pdl}"], batch))
+            for setting in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                replays[setting].append(replay_ms(engines[f"{kind}, {args.compare} {setting}"], batch))
         roof = (weight_bytes + n * payloads[0].nbytes + row["kv_gb"] * 1e9) / bw * 1e3
         row["roofline_ms"] = roof
-        for pdl in ("on", "off"):
-            med = statistics.median(replays[pdl])
-            row[f"replay_ms_pdl_{pdl}"] = med
-            row[f"replay_range_pdl_{pdl}"] = (min(replays[pdl]), max(replays[pdl]))
+        for setting in ("on", "off"):
+            med = statistics.median(replays[setting])
+            row[f"replay_ms_{setting}"] = med
+            row[f"replay_range_{setting}"] = (min(replays[setting]), max(replays[setting]))
         out["cases"][label] = row
-        p_on, p_off = row["profile_pdl_on"], row["profile_pdl_off"]
+        p_on, p_off = row["profile_on"], row["profile_off"]
         print(
-            f"[{shape}] {label}: replay {row['replay_ms_pdl_on']:.3f} ms (model PDL on) / "
-            f"{row['replay_ms_pdl_off']:.3f} ms (off); roofline {roof:.3f} ms; device busy "
+            f"[{shape}] {label}: replay {row['replay_ms_on']:.3f} ms ({args.compare} on) / "
+            f"{row['replay_ms_off']:.3f} ms (off); roofline {roof:.3f} ms; device busy "
             f"{p_on['busy_us']:.0f} / {p_off['busy_us']:.0f} us a step, kernel sum "
             f"{p_on['sum_us']:.0f} / {p_off['sum_us']:.0f} us",
             flush=True,
@@ -222,9 +249,12 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--compare", choices=("pdl", "skinny"), default="pdl", help="the feature turned off")
+    ap.add_argument("--batches", default="1,64", help="base engine batches (the LoRA cases are at 64)")
     ap.add_argument("--shapes", default="1b,8b")
     ap.add_argument("--steps", type=int, default=16, help="engine steps profiled per case")
-    ap.add_argument("--rounds", type=int, default=5, help="replay rounds alternating the PDL settings")
+    ap.add_argument("--rounds", type=int, default=5, help="replay rounds alternating the two settings")
+    ap.add_argument("--no-lora", dest="lora", action="store_false", help="the base engine's cases only")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -233,6 +263,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "copy_gbps": bw / 1e9,
+        "compare": args.compare,
     }
     print(f"{results['gpu']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     for shape in args.shapes.split(","):
@@ -240,12 +271,12 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     lines = [
-        "| shape | case | replay ms, model PDL on / off | roofline ms | on / roofline | off / roofline |"
+        f"| shape | case | replay ms, {args.compare} on / off | roofline ms | on / roofline | off / roofline |"
     ]
     lines.append("| --- | --- | --- | ---: | ---: | ---: |")
     for shape in args.shapes.split(","):
         for label, row in results[shape]["cases"].items():
-            on, off, roof = row["replay_ms_pdl_on"], row["replay_ms_pdl_off"], row["roofline_ms"]
+            on, off, roof = row["replay_ms_on"], row["replay_ms_off"], row["roofline_ms"]
             lines.append(
                 f"| {shape} | {label} | {on:.3f} / {off:.3f} | {roof:.3f} | {on / roof:.2f}x | {off / roof:.2f}x |"
             )

@@ -78,7 +78,16 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
     block_n: the widest of 64, 32, 16 that still gives every SM an n tile; below that (a narrow N)
     16 rows, and K split in two, four, ... while the grid is under one program per SM and each part
     keeps >= 1024 elements of K (32 KB of w). block_k: a w tile of ~16 KB per loop step. One row:
-    the broadcast multiply and sum; more: tl.dot."""
+    the broadcast multiply and sum; more: tl.dot.
+
+    One row takes what the sweep measured fastest on an H200 for every narrow projection of the
+    1B and 8B shapes (benchmarks/results/skinny_gemm_h200_2026-11-29.md): 8 weight rows a program,
+    512 of K a step, no split, 2 warps up to 8M weights and 4 above."""
+    if m == 1:
+        block_k = min(512, max(16, triton.next_power_of_2(k)))
+        return SkinnyConfig(
+            8, block_k, 1, num_warps=2 if n * k <= 8 << 20 else 4, num_stages=3, use_dot=False
+        )
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= num_sms), 16)
     tiles, split = triton.cdiv(n, block_n), 1
     while tiles * split < num_sms and k // (2 * split) >= 1024:

@@ -188,3 +188,25 @@ def test_kernel_in_cuda_graph(split) -> None:
         ref = x.double() @ w.double().T
         torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2)
         assert torch.equal(y, skinny_linear(x, w, config=config))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_linear_runs_one_row_steps_through_the_skinny_gemm(monkeypatch) -> None:
+    """A one-row step of a narrow bf16 projection on CUDA takes the skinny GEMM, more rows and wide
+    projections cuBLAS; both give the projection."""
+    from loraserve.inference_worker.model import linear, skinny_gemm
+
+    calls: list[int] = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    narrow = linear.GroupedLinear(0, "qkv", 2048, [2048, 512, 512], False, torch.bfloat16, "cuda")
+    wide = linear.GroupedLinear(0, "gate_up", 4096, [14336, 14336], False, torch.bfloat16, "cuda")
+    assert narrow.skinny and not wide.skinny
+    for layer in (narrow, wide):
+        torch.nn.init.normal_(layer.weight, std=0.02)
+        for rows in (1, 4):
+            x = torch.randn(rows, layer.in_features, device="cuda", dtype=torch.bfloat16)
+            want = x.double() @ layer.weight.double().T
+            torch.testing.assert_close(layer.project(x).double(), want, atol=2e-2, rtol=2e-2)
+    assert len(calls) == 1
