@@ -5,13 +5,15 @@ Semantics (same as attention.decode_attention_reference):
         out[b, hq] = softmax(q[b, hq] @ K[b, :len_b, h].T * scale) @ V[b, :len_b, h]
     with K[b, p] = k_cache[block_tables[b, p // bs], p % bs].
 
-Pass 1, grid (B, num_kv_heads, max_parts): each program covers PART tokens of one sequence for all
-query heads of one KV head (rows padded to >= 16 for tl.dot), keeping the running max, sum and
-weighted values (online softmax). A context of one part is written as the output there and then;
-a longer one's parts go to fp32 scratch (the rows that are heads). Programs past the sequence's
-length exit at once. Pass 2, grid (B, num_kv_heads), merges the parts of the contexts longer than
-one part (the others' programs exit at once). Context lengths are read on the device, so one launch
-shape serves every step (CUDA-graph friendly).
+Pass 1, grid (B, num_kv_heads, max_parts): each (sequence, KV head)'s context is split in parts of
+whole tiles, chosen on the device from its length: as many as give the device about two programs
+per multiprocessor (at most MAX_MERGE, at most its tiles), and at least as many as keep each within
+PART tokens. Each program covers one part for all query heads of one KV head (rows padded to >= 16
+for tl.dot), keeping the running max, sum and weighted values (online softmax). A context of one
+part is written as the output there and then; a longer one's parts go to fp32 scratch (the rows
+that are heads). Programs past the context exit at once. Pass 2, grid (B, num_kv_heads), merges
+the parts of the contexts of more than one part (the others' programs exit at once). Context
+lengths are read on the device, so one launch shape serves every step (CUDA-graph friendly).
 """
 
 from __future__ import annotations
@@ -26,14 +28,36 @@ from loraserve.inference_worker.model.paged_inputs import paged_inputs
 # Kernel parameters stay unannotated (type: ignore[no-untyped-def]): Triton reads a parameter's
 # annotation as a specialization hint, so a type there would change the compiled kernel.
 
-PART = 512
-TILE = 64
+PART = 512  # the most context tokens one program covers
+TILE = 64  # context tokens a program reads at a time
+MAX_MERGE = tl.constexpr(16)  # the most parts a context is split in beyond what PART asks for
+
+
+def parts_wanted(programs_per_part: int, device: torch.device) -> int:
+    """Parts each (sequence, KV head)'s context is split in to give the device about two programs
+    per multiprocessor: 1 once the batch alone does (batch 64 of the 1B and 8B shapes on an H200),
+    and then parts of PART tokens, as a compile-time choice: the split's arithmetic measured up to
+    2.4 µs a layer slower at batch 64 and 256 with short contexts, where it splits nothing."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, -(-2 * sms // programs_per_part))
+
+
+@triton.jit
+def _parts_of(ctx, WANT, PART_: tl.constexpr, TILE_: tl.constexpr, SPLIT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(tokens per part, parts) of a context of ctx tokens: with SPLIT, WANT parts, or as many whole
+    tiles as the context has, at most MAX_MERGE, and at least as many as keep a part within PART_
+    tokens, each a whole number of tiles; without (one part wanted), parts of PART_ tokens."""
+    if not SPLIT:
+        return PART_, tl.cdiv(ctx, PART_)
+    parts = tl.maximum(tl.minimum(tl.minimum(WANT, tl.cdiv(ctx, TILE_)), MAX_MERGE), tl.cdiv(ctx, PART_))
+    length = tl.cdiv(tl.cdiv(ctx, parts), TILE_) * TILE_
+    return length, tl.cdiv(ctx, length)
 
 
 # The per-step metadata (block tables, context lengths) is sliced out of one packed buffer at offsets
 # that change from step to step, and the block-table width follows the longest context: left
 # unspecialized (scalar loads either way), so these never compile a new variant under traffic.
-@triton.jit(do_not_specialize=["s_btb"], do_not_specialize_on_alignment=["BT", "CL"])
+@triton.jit(do_not_specialize=["s_btb", "WANT"], do_not_specialize_on_alignment=["BT", "CL"])
 def _decode_part_kernel(  # type: ignore[no-untyped-def]
     Q,
     K,
@@ -45,6 +69,7 @@ def _decode_part_kernel(  # type: ignore[no-untyped-def]
     ACC,
     Out,
     scale,
+    WANT,
     s_qb,
     s_qh,
     s_kb,
@@ -63,6 +88,7 @@ def _decode_part_kernel(  # type: ignore[no-untyped-def]
     PART_: tl.constexpr,
     TILE_: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
     WAIT_PRIOR: tl.constexpr = False,
 ):
     b = tl.program_id(0)
@@ -71,9 +97,10 @@ def _decode_part_kernel(  # type: ignore[no-untyped-def]
     if WAIT_PRIOR:  # launched with PDL (model/launch.py): q comes from the kernel before
         tl.extra.cuda.gdc_wait()
     ctx = tl.load(CL + b)
-    start = part * PART_
+    length, num_parts = _parts_of(ctx, WANT, PART_, TILE_, SPLIT)
+    start = part * length
     if start < ctx:
-        end = tl.minimum(start + PART_, ctx)
+        end = tl.minimum(start + length, ctx)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         gmask = offs_g < GROUP
@@ -108,7 +135,7 @@ def _decode_part_kernel(  # type: ignore[no-untyped-def]
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             m = m_new
-        if ctx <= PART_:  # the whole context in this program: its output, no pass 2
+        if num_parts == 1:  # the whole context in this program: its output, no pass 2
             out_at = Out + b * s_ob + (h * GROUP + offs_g)[:, None] * s_oh + offs_d[None, :]
             tl.store(out_at, (acc / lsum[:, None]).to(Out.dtype.element_ty), mask=gmask[:, None])
         else:
@@ -118,12 +145,13 @@ def _decode_part_kernel(  # type: ignore[no-untyped-def]
             tl.store(ACC + mo[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
 
 
-@triton.jit(do_not_specialize_on_alignment=["CL"])
+@triton.jit(do_not_specialize=["WANT"], do_not_specialize_on_alignment=["CL"])
 def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     M,
     L,
     ACC,
     CL,
+    WANT,
     Out,
     s_mb,
     s_mh,
@@ -134,6 +162,8 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     GP: tl.constexpr,
     D: tl.constexpr,
     PART_: tl.constexpr,
+    TILE_: tl.constexpr,
+    SPLIT: tl.constexpr,
     WAIT_PRIOR: tl.constexpr = False,
 ):
     b = tl.program_id(0)
@@ -141,9 +171,9 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     if WAIT_PRIOR:  # launched with PDL (model/launch.py): the parts come from the kernel before
         tl.extra.cuda.gdc_wait()
     ctx = tl.load(CL + b)
-    if ctx <= PART_:  # pass 1 wrote this output
+    _, num_parts = _parts_of(ctx, WANT, PART_, TILE_, SPLIT)
+    if num_parts == 1:  # pass 1 wrote this output
         return
-    num_parts = tl.cdiv(ctx, PART_)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     gmask = offs_g < GROUP
@@ -183,7 +213,9 @@ def paged_decode_attention(
     _, bs, nkv, _ = k_cache.shape
     q, block_tables, group, strides = paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
     gp = max(16, triton.next_power_of_2(group))
-    max_parts = triton.cdiv(block_tables.shape[1] * bs, PART)
+    want = parts_wanted(b * nkv, q.device)
+    longest = block_tables.shape[1] * bs  # the grid covers the most parts any context can take
+    max_parts = max(min(want, triton.cdiv(longest, TILE), MAX_MERGE.value), triton.cdiv(longest, PART))
     m = torch.empty((b, nkv, max_parts, gp), dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     acc = torch.empty((b, nkv, max_parts, gp, d), dtype=torch.float32, device=q.device)
@@ -199,6 +231,7 @@ def paged_decode_attention(
         acc,
         out,
         scale,
+        want,
         *strides,
         m.stride(0),
         m.stride(1),
@@ -212,6 +245,7 @@ def paged_decode_attention(
         PART_=PART,
         TILE_=TILE,
         IEEE=q.dtype == torch.float32,
+        SPLIT=want > 1,
         num_warps=4,
         **pdl_launch(q.device),
     )
@@ -220,6 +254,7 @@ def paged_decode_attention(
         lsum,
         acc,
         context_lens,
+        want,
         out,
         m.stride(0),
         m.stride(1),
@@ -230,6 +265,8 @@ def paged_decode_attention(
         GP=gp,
         D=d,
         PART_=PART,
+        TILE_=TILE,
+        SPLIT=want > 1,
         num_warps=4,
         **pdl_launch(q.device),
     )

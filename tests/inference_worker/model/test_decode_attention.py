@@ -38,7 +38,14 @@ def check(device, dtype, nh, nkv, d, bs, lens, atol):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test covers the kernel")
 def test_kernel_in_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    code = CASE + "\ncheck('cpu', torch.float32, 4, 2, 16, 16, [1, 17, 512, 513, 1600], 1e-4)\nprint('ok')\n"
+    # as the interpreter's device has one multiprocessor, one part per 512 tokens; then as a small
+    # batch on a GPU splits its contexts: five parts wanted
+    code = CASE + (
+        "\ncheck('cpu', torch.float32, 4, 2, 16, 16, [1, 17, 512, 513, 1600], 1e-4)"
+        "\nfrom loraserve.inference_worker.model import decode_attention"
+        "\ndecode_attention.parts_wanted = lambda programs, device: 5"
+        "\ncheck('cpu', torch.float32, 4, 2, 16, 16, [1, 17, 64, 65, 513, 1600], 1e-4)\nprint('ok')\n"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

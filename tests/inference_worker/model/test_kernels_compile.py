@@ -60,7 +60,18 @@ def test_worker_kernels_compile_for_hopper(monkeypatch, shape, pdl) -> None:
         torch.ones(t, dtype=torch.int32),
         d**-0.5,
     )
-    assert len(launches) == 6
+    # a small batch's split contexts (parts_wanted > 1: the other compiled variant)
+    monkeypatch.setattr(decode_attention, "parts_wanted", lambda programs, device: 4)
+    decode_attention.paged_decode_attention(
+        torch.zeros(t, nh, d, dtype=bf16),
+        cache,
+        cache.clone(),
+        torch.zeros(t, 8, dtype=torch.int32),
+        torch.ones(t, dtype=torch.int32),
+        d**-0.5,
+    )
+    assert [kwargs["SPLIT"] for _, _, kwargs in launches[-4:]] == [False, False, True, True]
+    assert len(launches) == 8
     assert all(kwargs.get("launch_pdl", False) == pdl for _, _, kwargs in launches)
     assert all(kwargs.get("WAIT_PRIOR", False) == pdl for _, _, kwargs in launches)
     assert_no_spills(launches)
