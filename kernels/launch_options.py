@@ -23,9 +23,11 @@ class LaunchOptions:
     # Programmatic dependent launch of add_lora's shrink too (with `pdl`): it starts while the
     # kernel before it on the stream ends, and waits for it only before storing its partial sums;
     # its expand reads y only after its own wait. The caller's contract: everything else add_lora
-    # reads (x, A, B, ranks, the batch's work lists) was complete before that kernel started, as in
-    # the model, where the base projection's GEMM (reading x) comes between (inference_worker's
-    # LoRA layers ask for it). Measured (overhead.md, H100): a chain of add_lora calls at 1 adapter
+    # reads (x, A, B, ranks, the batch's work lists) was complete before that kernel let its
+    # dependents start: before it started, for a kernel launched plainly (cuBLAS's GEMM), or, for
+    # one launched with PDL that triggers nothing early (the model's skinny GEMM of one-row steps),
+    # before its own wait returned. So in the model, where the base projection (reading x) comes
+    # between (inference_worker's LoRA layers ask for it). Measured (overhead.md, H100): a chain of add_lora calls at 1 adapter
     # 0.66 against 0.92 ms a decode step; the model's decode with a GEMM before each shrink, even.
     pdl_shrink: bool = False
     # Load each expand item's first B and y tiles before its s. None: with PDL, for decode rows

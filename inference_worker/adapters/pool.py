@@ -198,7 +198,9 @@ class AdapterPool:
                 return key
             flight = self.fetcher.fetch(ref, awaited=True)
         assert flight.future is not None
-        got = await asyncio.wrap_future(flight.future)
+        # shielded: this caller giving up (a cancelled LoadAdapter, a preload's timeout) must not
+        # cancel the flight, which requests queued for the adapter wait for too
+        got = await asyncio.shield(asyncio.wrap_future(flight.future))
         if isinstance(got, str):
             return got
         raise copy.copy(got)  # the flight's error, shared: raised, a copy carries this call's frames

@@ -22,8 +22,10 @@ from loraserve.kernels.launch_plan import fuse_silu_mul_pays
 
 def worker_launch_options(device: torch.device | str) -> kernels.LaunchOptions:
     """The worker's launch options: the defaults for `device`, and the shrink launched with PDL
-    too. A LoRALayer's add_lora always follows its base projection's GEMM, which reads x, while
-    the slots and the step's LoRABatch were written before: LaunchOptions.pdl_shrink's contract."""
+    too. A LoRALayer's add_lora always follows its base projection (cuBLAS's GEMM, or the skinny
+    GEMM, which lets the next kernel start only as its programs end, after their wait), which reads
+    x, while the slots and the step's LoRABatch were written before: LaunchOptions.pdl_shrink's
+    contract."""
     return kernels.LaunchOptions.for_device(device, pdl_shrink=True)
 
 

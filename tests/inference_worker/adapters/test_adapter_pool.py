@@ -4,6 +4,8 @@ coordinator sync that carries invalidations in and residency out."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -32,6 +34,37 @@ def test_single_flight_fetch(harness, lora_store):
     assert h.acquire(2, "qv-r8") is None
     assert h.acquire_eventually(1, "qv-r8")[0] == h.acquire_eventually(2, "qv-r8")[0]
     assert lora_store.store.service.metrics.value("loraserve_store_fetches_total") == fetches + 2
+
+
+def test_a_load_given_up_leaves_the_fetch_to_the_requests_queued_for_it(harness, lora_store):
+    h = harness()
+    fetches = lora_store.store.service.metrics.value("loraserve_store_fetches_total")
+    release = threading.Event()
+    fetch = h.source.fetch
+
+    async def held(*args, **kwargs):  # the store's answer comes once the test says so
+        await asyncio.to_thread(release.wait, 10)
+        return await fetch(*args, **kwargs)
+
+    h.source.fetch = held
+    try:
+        load = asyncio.run_coroutine_threadsafe(h.ensure_cpu("all-r4"), h.loop)  # an operator's load
+        assert h.acquire(1, "all-r4") is None  # a request queued for the same adapter
+        flight = h.pool.fetcher.flights[AdapterRef.parse("all-r4")]
+        assert flight.waiters == {1} and flight.awaited
+        load.cancel()  # the operator gives up
+        end = time.monotonic() + 5
+        while not load.done() and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.1)  # a cancellation passed on to the flight would land on the loop by now
+        assert flight.future is not None and not flight.future.done()
+        release.set()
+        slot, _ = h.acquire_eventually(1, "all-r4")
+        assert slot is not None
+        assert lora_store.store.service.metrics.value("loraserve_store_fetches_total") == fetches + 1
+    finally:
+        release.set()
+        h.source.fetch = fetch
 
 
 def test_tiers_are_lru_and_busy_slots_are_never_evicted(harness):
