@@ -131,7 +131,13 @@ class Backend:
         if fleet and fleet != self._fleet:
             old, self._router = (
                 self._router,
-                WorkerRouter(fleet, refresh_s=self.config.route_refresh_s, token=self.config.worker_token),
+                WorkerRouter(
+                    fleet,
+                    refresh_s=self.config.route_refresh_s,
+                    refresh_timeout_s=self.config.worker_read_timeout_s,
+                    down_s=self.config.worker_down_s,
+                    token=self.config.worker_token,
+                ),
             )
             self._fleet = fleet
             if old is not None:

@@ -33,6 +33,11 @@ _HELP = {
     "request's deadline is that bound; a long queue or prefill then fails no stream before it)",
     "keep_alive_s": "seconds an idle client connection is kept open for its next request",
     "route_refresh_s": "seconds between reads of the fleet's residency and live workers",
+    "worker_read_timeout_s": "bound of one read of a worker's residency in seconds; a worker whose read "
+    "times out is left out of routing for --worker-down-s",
+    "worker_down_s": "seconds a worker stays out of routing after it answered UNAVAILABLE, let its "
+    "residency read time out or left a stream without a first token (it comes back at the first read "
+    "after that)",
     "redis_timeout_s": "bound of one read of the live workers from Redis in seconds; a request that "
     "comes before the first read ended waits at most this long for it",
     "worker_connections": "connections to each worker, taken in turn by the generations (a worker with "
@@ -63,6 +68,8 @@ class GatewayConfig:
     first_message_timeout_s: float = 0.0
     keep_alive_s: float = 75.0
     route_refresh_s: float = 2.0
+    worker_read_timeout_s: float = 2.0
+    worker_down_s: float = 5.0
     redis_timeout_s: float = 2.0
     worker_connections: int = 1
     otlp_endpoint: str = ""
@@ -77,7 +84,14 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_prompt_chars", "max_n", "max_stop", "worker_connections"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
-        for name in ("request_timeout_s", "route_refresh_s", "redis_timeout_s", "keep_alive_s"):
+        for name in (
+            "request_timeout_s",
+            "route_refresh_s",
+            "worker_read_timeout_s",
+            "worker_down_s",
+            "redis_timeout_s",
+            "keep_alive_s",
+        ):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0")
         if self.first_message_timeout_s < 0:
