@@ -142,8 +142,8 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         finished = False
         try:
-            if self.failure is not None:
-                raise self.failure
+            if self.failure is not None:  # a copy: raising the shared error would grow its traceback
+                raise copy.copy(self.failure)
             if self.draining:
                 raise Draining("the worker is draining; retry on another worker")
             args = (
@@ -163,7 +163,7 @@ class InferenceWorkerServicer(worker_pb2_grpc.InferenceWorkerServicer):
             else:  # token ids only: a few checks, cheaper here than a hand-off to a thread and back
                 seq = self.engine.make_sequence(*args)
             if self.failure is not None:  # failed while the request was being built
-                raise self.failure
+                raise copy.copy(self.failure)
             observer.submitted(seq)
             self.engine.submit(seq)
         except WorkerError as exc:
