@@ -11,6 +11,7 @@ import pytest
 
 from loraserve.inference_worker.adapters import AdapterRef
 from loraserve.inference_worker.errors import WorkerError
+from tests.helpers.workers import wait_for
 
 
 def code_of(excinfo) -> str:
@@ -49,8 +50,10 @@ def test_a_load_given_up_leaves_the_fetch_to_the_requests_queued_for_it(harness,
     h.source.fetch = held
     try:
         load = asyncio.run_coroutine_threadsafe(h.ensure_cpu("all-r4"), h.loop)  # an operator's load
+        ref = AdapterRef.parse("all-r4")
+        assert wait_for(lambda: ref in h.pool.fetcher.flights)
         assert h.acquire(1, "all-r4") is None  # a request queued for the same adapter
-        flight = h.pool.fetcher.flights[AdapterRef.parse("all-r4")]
+        flight = h.pool.fetcher.flights[ref]
         assert flight.waiters == {1} and flight.awaited
         load.cancel()  # the operator gives up
         end = time.monotonic() + 5
