@@ -175,13 +175,18 @@ class WorkerClient(_Base, ChannelClient):
             for r in call:
                 watch.end()
                 yield delta_from_pb(r)
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
+            # the error is the call itself, raised from a frame of gRPC's that holds the call: that
+            # traceback is a reference cycle (the call, its state, this frame and its caller's, all
+            # left to the garbage collector). Raised on from here, without it.
+            exc.__traceback__ = None
             if watch.expired:
                 raise FirstMessageTimeout(watch.seconds or 0.0) from None
-            raise
+            raise exc
         finally:
             watch.end()
             call.cancel()
+            del call, watch  # (nor may this frame, which the error's traceback holds, hold the call)
 
     def info(self) -> worker_pb2.WorkerInfo:
         return self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=self._unary())

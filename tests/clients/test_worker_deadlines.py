@@ -143,3 +143,22 @@ def test_the_router_takes_a_worker_whose_stream_does_not_start_down() -> None:
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 3.0
             assert [w.address for w in router.candidates("x")] == [b]
             assert [d.text for d in router.generate_stream([1], adapter_id="x", max_tokens=2)] == [b, b]
+
+
+def test_a_failed_stream_leaves_no_cycle() -> None:
+    """A stream that ends with an error (its deadline, its first-message bound) leaves nothing for
+    the garbage collector: the error raised is the gRPC call itself, so a frame of the client that
+    kept the call would be a cycle through the error's traceback."""
+    from tests.helpers.saved_garbage import garbage, of_worker, saving_garbage
+
+    worker = FakeWorker()
+    worker.hung_generations = True
+    with fake_workers(worker) as (address,), WorkerClient(address) as client:
+        with saving_garbage():
+            garbage(of_worker)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError):
+                    list(client.generate_stream("Hi", max_tokens=2, timeout=0.3))
+                with pytest.raises(FirstMessageTimeout):
+                    list(client.generate_stream("Hi", max_tokens=2, first_message_timeout=0.3))
+            assert garbage(of_worker) == []
