@@ -92,6 +92,20 @@ class StoreMetrics:
         )
         self.handover_files = Gauge("loraserve_store_handover_files", "hand-over files", registry=r)
         self.handover_bytes = Gauge("loraserve_store_handover_bytes", "bytes of hand-over files", registry=r)
+        # a registry in Redis that lost its data, and what the store's copy of it put back
+        # (registry_mirror.py): from_copy, other_store (a copy that knew as much was put back
+        # already), copy_unreadable (nothing put back)
+        self.registry_restores = Counter(
+            "loraserve_store_registry_restores",
+            "losses of the registry's data in Redis this store found, by what it put back",
+            ["outcome"],
+            registry=r,
+        )
+        self.registry_restored_adapters = Counter(
+            "loraserve_store_registry_restored_adapters",
+            "adapters put back into Redis's registry from the store's copy",
+            registry=r,
+        )
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample, e.g. value("loraserve_store_builds_total", {"reason": "register"})."""

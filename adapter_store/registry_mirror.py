@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from loraserve.adapter_store.errors import Unavailable
+from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.registry import AdapterRecord, SqliteRegistry
 from loraserve.adapter_store.registry_redis import RedisRegistry, RegistryLost
 
@@ -45,10 +46,16 @@ ATTEMPTS = 3  # a call made again after a restore; a Redis lost over and over an
 
 
 class MirroredRegistry:
-    def __init__(self, redis: RedisRegistry, copy: SqliteRegistry, watch_s: float = WATCH_S) -> None:
+    def __init__(
+        self,
+        redis: RedisRegistry,
+        copy: SqliteRegistry,
+        watch_s: float = WATCH_S,
+        metrics: StoreMetrics | None = None,
+    ) -> None:
         if redis.adopt:
             raise ValueError("the mirror sets the Redis registry's epoch: make it with adopt=False")
-        self.redis, self.copy = redis, copy
+        self.redis, self.copy, self.metrics = redis, copy, metrics
         meta = copy.meta()
         if meta.get("prefix", redis.prefix) != redis.prefix:
             # a copy of another registry (the store moved to another key prefix): never put back
@@ -132,21 +139,25 @@ class MirroredRegistry:
 
     def _restore(self, epoch: str | None, version: int) -> None:
         known = None if self._foreign else self._copy_epoch  # the epoch whose registry the copy holds
+        outcome = "from_copy"
         try:
             records = [] if known is None else self.copy.records()
         except (sqlite3.Error, OSError) as exc:  # nothing to restore from: Redis is taken as it is
             log.error("registry copy unreadable (%s): Redis's registry is not restored from it", exc)
-            records, known = [], None
+            records, known, outcome = [], None, "copy_unreadable"
         held, why = len(records), ""
         if known is not None and self.redis.restored(known) >= self._copy_version:
             # another store put back a copy of that epoch that knew as much as this one, or more:
             # what this copy holds beyond it was deleted since (before the loss, or after it)
-            records, why = [], " (another store put back a copy that knew as much)"
+            records, why, outcome = [], " (another store put back a copy that knew as much)", "other_store"
         restored = self.redis.restore(records) if records else 0
         # a copy whose file lags what it knows (a failed write) is not recorded: others put theirs back
         mark = known if known is not None and not self._copy_stale else ""
         now, _ = self.redis.claim(uuid.uuid4().hex, self._copy_version, mark)
-        if self._copy_epoch is not None:
+        if self._copy_epoch is not None:  # a loss (not the first start of a new copy)
+            if self.metrics is not None:
+                self.metrics.registry_restores.labels(outcome).inc()
+                self.metrics.registry_restored_adapters.inc(restored)
             log.warning(
                 "registry (Redis) lost its data (epoch %s, version %d; the copy knew epoch %s, version "
                 "%d): restored %d of the copy's %d adapters%s",

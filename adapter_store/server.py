@@ -46,8 +46,9 @@ READ_METHODS = (
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 4 << 20)]
 
 
-def open_registry(config: StoreConfig) -> Registry:
-    """SQLite in the data directory, or Redis with a copy there to restore it from when Redis loses it."""
+def open_registry(config: StoreConfig, metrics: StoreMetrics | None = None) -> Registry:
+    """SQLite in the data directory, or Redis with a copy there to restore it from when Redis loses it
+    (its restores counted in `metrics`)."""
     if config.redis_url:
         from loraserve.adapter_store.registry_mirror import MirroredRegistry
         from loraserve.adapter_store.registry_redis import RedisRegistry
@@ -55,6 +56,7 @@ def open_registry(config: StoreConfig) -> Registry:
         return MirroredRegistry(
             RedisRegistry(config.redis_url, config.redis_prefix, adopt=False),
             SqliteRegistry(Path(config.data_dir) / "registry-copy.sqlite3"),
+            metrics=metrics,
         )
     return SqliteRegistry(Path(config.data_dir) / "registry.sqlite3")
 
@@ -117,7 +119,7 @@ def create_server(config: StoreConfig) -> tuple[StoreServer, int]:
     resolver = SourceResolver(
         config.root, boto3_s3_factory(config.s3_endpoint_url, config.s3_region, config.s3_timeout_s)
     )
-    service = AdapterService(config, base_config, open_registry(config), resolver, metrics)
+    service = AdapterService(config, base_config, open_registry(config, metrics), resolver, metrics)
     if config.otlp_endpoint:
         tracing.enable_otlp(config.otlp_endpoint, "loraserve-store")
     interceptors = [

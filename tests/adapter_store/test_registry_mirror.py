@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from loraserve.adapter_store.errors import AlreadyExists
+from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.registry import SqliteRegistry
 from loraserve.adapter_store.registry_mirror import MirroredRegistry
 from loraserve.adapter_store.registry_redis import RedisRegistry, RegistryLost
@@ -54,6 +55,7 @@ def open_mirror(server: PrivateRedis, client, tmp_path: Path):
             RedisRegistry(server.url, prefix, adopt=False),
             SqliteRegistry(tmp_path / f"{name}.sqlite3"),
             watch_s=3600,
+            metrics=StoreMetrics(),
         )
         opened.append(m)
         return m
@@ -75,9 +77,12 @@ def test_a_flushed_registry_is_put_back_from_the_copy(open_mirror, client) -> No
     assert m.delete("c").adapter_id == "c"
     epoch = client.get(PREFIX + "epoch")
 
+    assert m.metrics is not None and m.metrics.value("loraserve_store_registry_restores_total") == 0
     client.flushall()
     assert m.get("b").digest == "e" * 64  # the first call after the loss reads the restored registry
     assert _ids(m) == ["a", "b"] and m.list("", 100)[2] == 2
+    assert m.metrics.value("loraserve_store_registry_restores_total", {"outcome": "from_copy"}) == 1
+    assert m.metrics.value("loraserve_store_registry_restored_adapters_total") == 2
     assert client.get(PREFIX + "epoch") not in (None, epoch)
     with pytest.raises(AlreadyExists):
         m.put(_record("a", "f" * 64), overwrite=False)
@@ -177,6 +182,10 @@ def test_a_deletion_after_the_loss_stays_deleted_with_two_stores(open_mirror, cl
     two.check()
     assert _ids(one) == ["b"] == _ids(two)
     assert [r.adapter_id for r in two.copy.records()] == ["b"]
+    assert one.metrics is not None and two.metrics is not None
+    assert one.metrics.value("loraserve_store_registry_restores_total", {"outcome": "from_copy"}) == 1
+    assert two.metrics.value("loraserve_store_registry_restores_total", {"outcome": "other_store"}) == 1
+    assert two.metrics.value("loraserve_store_registry_restored_adapters_total") == 0
 
 
 def test_a_store_whose_copy_knows_more_still_puts_it_back(open_mirror, client) -> None:
