@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # benchmarks/ is on the path as the script's folder
+from bench_decode_attention import replay_us
 from bench_engine import copy_bandwidth
 from bench_lora_worker import BATCH, PROMPT_LEN, bind, engine_config, hf_config, make_payload
 
@@ -155,14 +156,7 @@ def turned_off(model: LlamaModel, feature: str) -> Iterator[None]:
 
 def replay_ms(engine: LLMEngine, batch: int, reps: int = 32) -> float:
     graph = engine.runner.graphs[next(k for k in sorted(engine.runner.graphs) if k >= batch)]
-    graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    return replay_us(graph, reps) / 1e3
 
 
 def bench_shape(shape: str, args: argparse.Namespace, bw: float) -> dict:

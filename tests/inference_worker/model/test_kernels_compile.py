@@ -52,24 +52,15 @@ def test_worker_kernels_compile_for_hopper(monkeypatch, shape, pdl) -> None:
         qkv, torch.zeros(t, d, dtype=torch.float32), torch.arange(t), cache, cache.clone(), nh, nkv, d
     )
     fused_ops.silu_mul(torch.zeros(t, 2 * inter, dtype=bf16))
-    decode_attention.paged_decode_attention(
+    q, tables, lens = (
         torch.zeros(t, nh, d, dtype=bf16),
-        cache,
-        cache.clone(),
         torch.zeros(t, 8, dtype=torch.int32),
         torch.ones(t, dtype=torch.int32),
-        d**-0.5,
     )
+    decode_attention.paged_decode_attention(q, cache, cache.clone(), tables, lens, d**-0.5)
     # a small batch's split contexts (parts_wanted > 1: the other compiled variant)
     monkeypatch.setattr(decode_attention, "parts_wanted", lambda programs, device: 4)
-    decode_attention.paged_decode_attention(
-        torch.zeros(t, nh, d, dtype=bf16),
-        cache,
-        cache.clone(),
-        torch.zeros(t, 8, dtype=torch.int32),
-        torch.ones(t, dtype=torch.int32),
-        d**-0.5,
-    )
+    decode_attention.paged_decode_attention(q, cache, cache.clone(), tables, lens, d**-0.5)
     assert [kwargs["SPLIT"] for _, _, kwargs in launches[-4:]] == [False, False, True, True]
     assert len(launches) == 8
     assert all(kwargs.get("launch_pdl", False) == pdl for _, _, kwargs in launches)

@@ -6,9 +6,6 @@ default configuration; and on CUDA, bf16 on Llama-3.2-1B / Llama-3-8B shapes, al
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ from loraserve.inference_worker.model.skinny_gemm import (
     skinny_linear,
     skinny_linear_reference,
 )
+from tests.helpers.interpreter import interpreted
 
 CASE = r"""
 import torch
@@ -72,15 +70,7 @@ def interpreter_cases():
 def test_kernel_in_triton_interpreter() -> None:
     pytest.importorskip("triton")
     code = CASE + "\nimport json\nprint(json.dumps(interpreter_cases()))\n"
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+    assert json.loads(interpreted(code).strip().splitlines()[-1]) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
