@@ -101,7 +101,8 @@ class Registry(Protocol):
 
 class SqliteRegistry:
     def __init__(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         with self._lock:
@@ -158,11 +159,25 @@ class SqliteRegistry:
                 raise
             return old
 
-    def records(self) -> list[AdapterRecord]:
-        """Every record, in id order."""
+    def records(self, skip_unreadable: bool = False) -> list[AdapterRecord]:
+        """Every record, in id order. skip_unreadable: those that no longer parse (a file written
+        by another version of the store) are left out and logged, not raised."""
         with self._lock:
-            rows = self._db.execute("SELECT record FROM adapters ORDER BY adapter_id").fetchall()
-        return [AdapterRecord.from_json(r[0]) for r in rows]
+            rows = self._db.execute("SELECT adapter_id, record FROM adapters ORDER BY adapter_id").fetchall()
+        out = []
+        for adapter_id, text in rows:
+            try:
+                out.append(AdapterRecord.from_json(text))
+            except (ValueError, TypeError) as exc:
+                if not skip_unreadable:
+                    raise
+                log.warning(
+                    "registry file %s: the record of %r does not parse (%s): left out",
+                    self.path,
+                    adapter_id,
+                    exc,
+                )
+        return out
 
     def meta(self) -> dict[str, str]:
         with self._lock:

@@ -141,7 +141,7 @@ class MirroredRegistry:
         known = None if self._foreign else self._copy_epoch  # the epoch whose registry the copy holds
         outcome = "from_copy"
         try:
-            records = [] if known is None else self.copy.records()
+            records = [] if known is None else self.copy.records(skip_unreadable=True)
         except (sqlite3.Error, OSError) as exc:  # nothing to restore from: Redis is taken as it is
             log.error("registry copy unreadable (%s): Redis's registry is not restored from it", exc)
             records, known, outcome = [], None, "copy_unreadable"

@@ -213,3 +213,20 @@ def test_a_restore_bumps_the_registry_version(open_mirror, client) -> None:
     assert one.redis.state()[1] == before + 1
     assert one.redis.restore([_record("a")]) == 0  # nothing put back: nothing changed
     assert one.redis.state()[1] == before + 1
+
+
+def test_a_record_of_the_copy_that_no_longer_parses_is_left_out(open_mirror, client) -> None:
+    """A copy written by another version of the store: the records that parse are put back, the
+    others are left out (logged), and no call fails for them."""
+    import sqlite3
+
+    m = open_mirror()
+    for i in "ab":
+        m.put(_record(i, i * 64), overwrite=False)
+    db = sqlite3.connect(str(m.copy.path))
+    db.execute("UPDATE adapters SET record = ? WHERE adapter_id = 'a'", ('{"from": "elsewhere"}',))
+    db.commit()
+    db.close()
+    client.flushall()
+    assert m.get("b").digest == "b" * 64
+    assert m.get("a") is None and _ids(m) == ["b"]
