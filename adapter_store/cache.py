@@ -19,12 +19,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from loraserve.adapter_store.change_clock import ChangeClock
 from loraserve.adapter_store.optimize import OptimizedAdapter
 from loraserve.adapter_store.registry import AdapterRecord
 
 # adapter ids whose last drop or put is remembered; a put read before the oldest forgotten change
 # is refused whatever its id (a cache miss later, never a stale payload)
 MAX_CHANGES = 16_384
+PUT, REGISTERED = 0, 1  # the clock's kinds: a put or drop; a drop or registration
 
 
 class AdapterCache:
@@ -38,18 +40,14 @@ class AdapterCache:
         # adapter id -> (last known record, payload), least recently used first
         self._entries: OrderedDict[str, tuple[AdapterRecord, OptimizedAdapter]] = OrderedDict()
         self._bytes = 0
-        # adapter id -> the clock at (its last drop or put, its last drop or registration), least
-        # recent first; the clock counts them
-        self._changes: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        self._clock = 0
-        self._floor = 0  # the clock of the latest change forgotten
+        self._changes = ChangeClock(2, MAX_CHANGES)  # adapter id -> (put or drop, drop or registration)
         self._lock = threading.Lock()
         self._on_evict = on_evict
 
     def generation(self) -> int:
         """The clock now: take it before reading the registry record whose payload is put later."""
         with self._lock:
-            return self._clock
+            return self._changes.now
 
     def get(
         self, adapter_id: str, digest: str, record: AdapterRecord | None = None
@@ -90,8 +88,7 @@ class AdapterCache:
         is not cached."""
         evicted: list[tuple[str, OptimizedAdapter]] = []
         with self._lock:
-            last_put, last_registered = self._changes.get(adapter_id, (self._floor, self._floor))
-            if generation < (last_registered if registered else last_put):
+            if generation < self._changes.since(adapter_id, REGISTERED if registered else PUT):
                 return False
             self._changed(adapter_id, registered)
             self._remove(adapter_id)
@@ -116,12 +113,7 @@ class AdapterCache:
 
     def _changed(self, adapter_id: str, registered: bool) -> None:
         """A put, or a drop or registration (`registered`) of the adapter, now."""
-        self._clock += 1
-        last_registered = self._clock if registered else self._changes.get(adapter_id, (0, self._floor))[1]
-        self._changes[adapter_id] = (self._clock, last_registered)
-        self._changes.move_to_end(adapter_id)
-        if len(self._changes) > MAX_CHANGES:
-            _, (self._floor, _) = self._changes.popitem(last=False)
+        self._changes.change(adapter_id, (PUT, REGISTERED) if registered else (PUT,))
 
     def _remove(self, adapter_id: str) -> None:
         old = self._entries.pop(adapter_id, None)

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.adapter_store.change_clock import ChangeClock
 from loraserve.adapter_store.filling import Filling
 from loraserve.adapter_store.metrics import StoreMetrics
 from loraserve.adapter_store.optimize import OptimizedAdapter
@@ -82,10 +83,7 @@ class HandoverDirectory:
         self._writing: dict[str, asyncio.Future[bool]] = {}
         self._soon: set[asyncio.Future[str | None]] = set()  # writes nobody waits for
         self._warned = 0.0  # time.monotonic() of the last failed write logged
-        # digest -> the clock at its last discard, least recent first; the clock counts them
-        self._discards: OrderedDict[str, int] = OrderedDict()
-        self._clock = 0
-        self._floor = 0  # the clock of the latest discard forgotten
+        self._discards = ChangeClock(1, MAX_DISCARDS)  # digest -> its last discard
 
     def start(self) -> None:
         """Make the directory (readable by the workers) unless it is there, check that it is the
@@ -132,7 +130,7 @@ class HandoverDirectory:
 
     def generation(self) -> int:
         """The clock now: take it before reading the registry record whose payload is offered."""
-        return self._clock
+        return self._discards.now
 
     async def offer(
         self, optimized: OptimizedAdapter, filling: Filling | None, generation: int, fetch: bool = True
@@ -254,16 +252,12 @@ class HandoverDirectory:
         """An adapter of this digest was deleted: its file goes, and so does one that an offer of a
         record read before now writes later (another adapter with the same payload gets it written
         again on its next fetch)."""
-        self._clock += 1
-        self._discards[digest] = self._clock
-        self._discards.move_to_end(digest)
-        if len(self._discards) > MAX_DISCARDS:
-            _, self._floor = self._discards.popitem(last=False)
+        self._discards.change(digest, (0,))
         if digest in self._files:
             self._remove(digest)
 
     def _discarded(self, digest: str, generation: int) -> bool:
-        return generation < self._discards.get(digest, self._floor)
+        return generation < self._discards.since(digest, 0)
 
     def _remove(self, digest: str) -> None:
         try:

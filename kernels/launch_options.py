@@ -6,6 +6,7 @@ it once for its device (`LaunchOptions.for_device`), benchmarks sweep it with `d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,3 +65,12 @@ def pdl_supported(device: torch.device) -> bool:
     from loraserve.kernels import triton_ops
 
     return triton_ops.pdl_supported(device)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device, which grids are sized by; 1 elsewhere (the interpreter runs
+    programs one after another: keep its grids tiny)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -12,7 +12,7 @@ from itertools import pairwise
 import torch
 
 from loraserve.kernels.batch import LoRABatch, max_work_items
-from loraserve.kernels.launch_options import LaunchOptions
+from loraserve.kernels.launch_options import LaunchOptions, multiprocessors
 from loraserve.kernels.launch_plan import (
     EXPAND_TARGET_PER_SM,
     MAX_SLICES,
@@ -27,13 +27,6 @@ from loraserve.kernels.launch_plan import (
 )
 from loraserve.kernels.sgmv import expand_kernel, shrink_kernel
 from loraserve.kernels.sgmv_pair import expand_silu_mul_kernel
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one after another: keep grids tiny
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -166,7 +159,7 @@ def lora_shrink(
     _, num_slices, max_rank, _ = lora_a.shape
     if num_tokens == 0:
         return out
-    num_sms = _num_sms(x.device)
+    num_sms = multiprocessors(x.device)
     plan = plan_shrink(num_tokens, num_slices, max_rank, x.shape[1], x.element_size(), 1, num_sms)
     _launch_shrink(x, lora_a, ranks, batch, out, plan, num_sms)
     return out
@@ -183,7 +176,7 @@ def lora_expand(
     offsets = list(slice_offsets)
     if batch.num_tokens == 0:
         return y
-    num_sms = _num_sms(y.device)
+    num_sms = multiprocessors(y.device)
     # A one-chunk plan: the expand reads exactly one partial, s itself.
     shrink = ShrinkPlan(
         block_m=16,
@@ -234,7 +227,7 @@ def _shrink_first(
         or workspace.device != x.device
     ):
         raise ValueError("buffer must be a contiguous float32 tensor on the inputs' device")
-    num_sms = _num_sms(x.device)
+    num_sms = multiprocessors(x.device)
     per_split = num_slices * num_tokens * max_rank
     max_split = workspace.numel() // per_split
     if max_split < 1:

@@ -18,14 +18,13 @@ lengths are read on the device, so one launch shape serves every step (CUDA-grap
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from loraserve.inference_worker.model.launch import pdl_launch
 from loraserve.inference_worker.model.paged_inputs import paged_inputs
+from loraserve.kernels.launch_options import multiprocessors
 
 # Kernel parameters stay unannotated (type: ignore[no-untyped-def]): Triton reads a parameter's
 # annotation as a specialization hint, so a type there would change the compiled kernel.
@@ -35,18 +34,13 @@ TILE = 64  # context tokens a program reads at a time
 MAX_MERGE = tl.constexpr(16)  # the most parts a context is split in beyond what PART asks for
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def parts_wanted(programs_per_part: int, device: torch.device) -> int:
     """Parts each (sequence, KV head)'s context is split in so that the device has about two
     programs per multiprocessor; 1 once the batch alone gives it that many (batch 64 of the 1B and
     8B shapes on an H200). With 1 the kernels are compiled without the split (SPLIT): its
     arithmetic alone measured up to 2.4 µs a layer slower at batch 64 and 256 with 64-token
     contexts, where it splits nothing."""
-    return max(1, -(-2 * _num_sms(device) // programs_per_part))
+    return max(1, -(-2 * multiprocessors(device) // programs_per_part))
 
 
 @triton.jit

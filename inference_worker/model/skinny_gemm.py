@@ -31,7 +31,6 @@ configurations against cuBLAS on a GPU, which is where the final values come fro
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 
 from loraserve.inference_worker.model.launch import pdl_launch
+from loraserve.kernels.launch_options import multiprocessors
 
 # Kernel parameters stay unannotated (type: ignore[no-untyped-def]): Triton reads a parameter's
 # annotation as a specialization hint, so a type there would change the compiled kernel.
@@ -94,13 +94,6 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
         split *= 2
     block_k = min(max(16384 // (2 * block_n), 64), 512, max(16, triton.next_power_of_2(k // split)))
     return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=3, use_dot=m > 1)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one after another: keep grids tiny
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -316,7 +309,7 @@ def skinny_linear(
         return y
     if k == 0:
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
-    cfg = config or default_config(m, n, k, _num_sms(x.device))
+    cfg = config or default_config(m, n, k, multiprocessors(x.device))
     k_tiles = triton.cdiv(k, cfg.block_k)
     per_part = triton.cdiv(k_tiles, min(cfg.split_k, k_tiles))
     split = triton.cdiv(k_tiles, per_part)  # every part holds at least one K tile

@@ -3,13 +3,10 @@ machine without CUDA it says that it needs one and exits 2 instead of failing so
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.helpers.benchmark_scripts import BENCHMARKS, run_script
+from tests.helpers.benchmark_scripts import run_script
 
 
 def test_help_lists_the_sweep_option(tmp_path) -> None:
@@ -20,10 +17,5 @@ def test_help_lists_the_sweep_option(tmp_path) -> None:
 def test_without_cuda_it_says_so() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: the GPU run is the benchmark itself")
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_fused_silu.py"), "--tokens", "64"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    done = run_script("bench_fused_silu.py", "--tokens", "64", timeout=120, returncode=2)
+    assert "needs a CUDA GPU" in done.stderr

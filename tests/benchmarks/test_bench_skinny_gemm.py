@@ -4,13 +4,10 @@ exits 2 instead of failing somewhere inside."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.helpers.benchmark_scripts import BENCHMARKS, run_script
+from tests.helpers.benchmark_scripts import run_script
 
 
 def test_help_lists_the_options(tmp_path) -> None:
@@ -41,24 +38,12 @@ def test_list_prints_each_case_sweep(tmp_path) -> None:
 
 
 def test_bad_arguments_are_refused(tmp_path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_skinny_gemm.py"), "--list", "--m", "17"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 2 and "rows outside" in done.stderr
+    done = run_script("bench_skinny_gemm.py", "--list", "--m", "17", timeout=120, cwd=tmp_path, returncode=2)
+    assert "rows outside" in done.stderr
 
 
 def test_without_cuda_it_says_so(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: the GPU run is the benchmark itself")
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_skinny_gemm.py"), "--quick", "--m", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    done = run_script("bench_skinny_gemm.py", "--quick", "--m", "1", timeout=120, cwd=tmp_path, returncode=2)
+    assert "needs a CUDA GPU" in done.stderr

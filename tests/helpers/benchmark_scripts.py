@@ -11,10 +11,10 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def run_script(
-    name: str, *args: str, timeout: float, cwd: Path | None = None
+    name: str, *args: str, timeout: float, cwd: Path | None = None, returncode: int = 0
 ) -> subprocess.CompletedProcess[str]:
     """benchmarks/`name` with this interpreter; fails the test, with the tail of its output, unless
-    it exits 0."""
+    it exits with `returncode`."""
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / name), *args],
         capture_output=True,
@@ -22,5 +22,5 @@ def run_script(
         timeout=timeout,
         cwd=cwd,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-3000:]
     return done
