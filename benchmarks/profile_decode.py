@@ -2,7 +2,9 @@
 the base engine and the LoRA engine, each with one feature on and off in one process (GPU):
 `--compare pdl` the model's own kernels launched with programmatic dependent launch (PDL,
 model/launch.py) or not; `--compare skinny` one-row steps' narrow projections on the skinny GEMM
-(model/linear.py) or on cuBLAS.
+(model/linear.py; with the norm fusion below) or on cuBLAS with the norms apart; `--compare norm`
+one-row steps' RMSNorms folded into the q|k|v and gate | up projections (with SiLU x up after
+gate | up, model/skinny_norm.py) or apart, the skinny GEMM on in both.
 
 For a Llama-3.2-1B- and a Llama-3-8B-shaped random bf16 model (bench_lora_worker.py's shapes and
 rank-16 adapters on all seven modules), each case decodes a batch and profiles `--steps` engine
@@ -13,7 +15,7 @@ the step's graph replayed alone, timed with CUDA events in rounds that alternate
 against the step's memory roofline (weights + adapters + KV read once at the measured copy
 bandwidth).
 
-    python benchmarks/profile_decode.py [--compare pdl|skinny] [--shapes 1b,8b] [--steps 16] [--rounds 5]
+    python benchmarks/profile_decode.py [--compare pdl|skinny|norm] [--shapes 1b,8b] [--steps 16] [--rounds 5]
         [--json out.json]
 """
 
@@ -45,14 +47,15 @@ from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import LLMEngine
 from loraserve.inference_worker.engine.model_runner import kv_bytes_per_block
 from loraserve.inference_worker.engine.sequence import SamplingParams
-from loraserve.inference_worker.model import launch
+from loraserve.inference_worker.model import launch, linear
 from loraserve.inference_worker.model.config import ModelConfig
 from loraserve.inference_worker.model.llama import LlamaModel
 from loraserve.inference_worker.model.tiny import word_tokenizer
 from tests.helpers.adapter_sources import AdaptersRunning, PayloadSource
 
 KINDS = (
-    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("norm+gemm", ("_norm_skinny",)),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "skinny")),
     ("lora shrink", ("shrink",)),
     ("lora expand", ("expand",)),
     ("attention", ("_decode_part", "_decode_reduce")),
@@ -143,13 +146,15 @@ def turned_off(model: LlamaModel, feature: str) -> Iterator[None]:
         finally:
             launch.set_pdl(previous)
         return
-    linears = model.grouped_linears().values()
+    previous = linear.set_norm_fusion(False)  # "norm", and "skinny": the fusion is a skinny kernel
+    linears = model.grouped_linears().values() if feature == "skinny" else []
     saved = [m.skinny for m in linears]
     for m in linears:
         m.skinny = False
     try:
         yield
     finally:
+        linear.set_norm_fusion(previous)
         for m, was in zip(linears, saved, strict=True):
             m.skinny = was
 
@@ -243,7 +248,9 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", choices=("pdl", "skinny"), default="pdl", help="the feature turned off")
+    ap.add_argument(
+        "--compare", choices=("pdl", "skinny", "norm"), default="pdl", help="the feature turned off"
+    )
     ap.add_argument("--batches", default="1,64", help="base engine batches (the LoRA cases are at 64)")
     ap.add_argument("--shapes", default="1b,8b")
     ap.add_argument("--steps", type=int, default=16, help="engine steps profiled per case")

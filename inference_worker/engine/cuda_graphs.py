@@ -11,7 +11,8 @@ With adapters, each graph has a base-only twin without the LoRA path. All graphs
 pool: one replays at a time.
 
 The step's sampled tokens live in one static buffer (`tokens`): a decode graph writes the greedy
-choice of each row there itself, and the sampler writes every step's tokens there (`Sampler.launch`).
+choice of each row there itself (sampler.greedy: model/row_argmax.py on CUDA), and the sampler
+writes every step's tokens there (`Sampler.launch`).
 Each graph begins by taking its rows' input ids from that buffer where the step's `source` column
 says so (a decode row whose token the previous step sampled and the host has not read yet), so that
 no launch outside the graph moves them.
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from loraserve.inference_worker.engine.sampler import greedy
 from loraserve.inference_worker.engine.step_plan import LoRABatchSource
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
 from loraserve.inference_worker.model.llama import LlamaModel
@@ -118,7 +120,7 @@ class StepGraphs:
         hidden = self.model(dataclasses.replace(batch, input_ids=ids))
         if kind == "decode":
             logits = self.model.compute_logits(hidden)
-            torch.argmax(logits, dim=-1, out=self.tokens[:n])  # the greedy choices, in place
+            greedy(logits, self.tokens[:n])  # the greedy choices, in place
             return logits
         return hidden[batch.logits_indices]
 

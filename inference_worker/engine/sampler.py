@@ -53,6 +53,16 @@ def uniform(seed: int, step: int) -> float:
     return ((_mix64(seed ^ _mix64(step)) >> 11) + 0.5) / (1 << 53)
 
 
+def greedy(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[n] = argmax of row n of x (ties: the lowest column): on CUDA with float32 rows
+    model/row_argmax.py's kernel, which spreads a row over the GPU; else torch.argmax."""
+    if x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
+        from loraserve.inference_worker.model.row_argmax import row_argmax
+
+        return row_argmax(x, out=out)
+    return torch.argmax(x, dim=-1, out=out)
+
+
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs: [M, K] non-negative (need not sum to 1); u: [M] in (0, 1) -> [M] index of the first
     column whose cumulative mass reaches u x total."""
@@ -189,11 +199,11 @@ class Sampler:
         penalized = [i for i in live if seqs[i].params.penalized]
         x = self.apply_penalties(logits, seqs, penalized)
         if buffer is None:
-            tokens = x.argmax(dim=-1)  # [N]
+            tokens = greedy(x, torch.empty(x.shape[0], dtype=torch.int64, device=x.device))  # [N]
         else:
             tokens = buffer
             if not (argmax_ready and x is logits):  # (penalties change the greedy choices)
-                torch.argmax(x, dim=-1, out=tokens)
+                greedy(x, tokens)
         vocab = logits.shape[1]
         plain: list[int] = []
         ordered: list[int] = []

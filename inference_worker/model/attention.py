@@ -147,8 +147,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden], cos_sin: [T, d] (cos | sin halves) -> [T, hidden]
-        t = x.shape[0]
-        qkv = self.qkv(x, batch)
+        return self.attend(self.qkv(x, batch), cos_sin, batch)
+
+    def attend(self, qkv: torch.Tensor, cos_sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # qkv: [T, q_size + 2 kv_size], the q|k|v projection -> [T, hidden]
+        t = qkv.shape[0]
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.fused:  # one kernel: rotate q, k and write k, v to the cache

@@ -22,6 +22,27 @@ from loraserve.kernels import LoRABatch
 # measured 1.10-1.45x faster for q|k|v, o and down of the 1B and 8B shapes, and 0.98-1.04x for the
 # wide gate | up projections (benchmarks/results/skinny_gemm_h200_2026-11-29.md), left to cuBLAS.
 SKINNY_MAX_OUT = 8192
+# The same steps fold the RMSNorm before q|k|v and gate | up into those projections, and SiLU x up
+# after gate | up (model/skinny_norm.py), where no LoRA delta is added (`fuses_norm`).
+_fuse_norms = True
+
+
+def set_norm_fusion(enabled: bool) -> bool:
+    """Whether one-row steps fold their norms into the projections from now on (`fuses_norm`);
+    -> the previous setting. A captured CUDA graph keeps what it captured: benchmarks compare both."""
+    global _fuse_norms
+    previous, _fuse_norms = _fuse_norms, enabled
+    return previous
+
+
+class NormWeights(Protocol):
+    """An RMSNorm's parameters (model/llama.py RMSNorm)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def eps(self) -> float: ...
 
 
 class LoraDelta(Protocol):
@@ -63,11 +84,8 @@ class GroupedLinear(nn.Module):
             else None
         )
         self.lora: LoraDelta | None = None
-        self.skinny = (
-            torch.device(device).type == "cuda"
-            and dtype in (torch.float16, torch.bfloat16)
-            and out_total <= SKINNY_MAX_OUT
-        )
+        self.fusable = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        self.skinny = self.fusable and out_total <= SKINNY_MAX_OUT
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The base projection: x [T, in] -> [T, sum(out_sizes)], no adapter."""
@@ -76,6 +94,20 @@ class GroupedLinear(nn.Module):
 
             return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def fuses_norm(self, x: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Whether `norm_project` serves this step: one row on CUDA in a 16-bit dtype, no LoRA delta
+        to add (a LoRA shrink reads the normed input, which the fused kernel keeps to itself)."""
+        return _fuse_norms and self.fusable and x.shape[0] == 1 and (self.lora is None or batch.lora is None)
+
+    def norm_project(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights, *, pair: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """project(norm(x + residual)) and x + residual in one kernel (where `fuses_norm`); with
+        `pair` (gate | up) silu(gate) * up of the projection."""
+        from loraserve.inference_worker.model.skinny_norm import norm_linear
+
+        return norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, pair=pair)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, in] -> y: [T, sum(out_sizes)]

@@ -125,9 +125,19 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta, residual: the stream so far (None at layer 0) -> (delta, stream)."""
-        h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, batch), residual)
-        return self.mlp(h, batch), residual
+        attn, mlp = self.self_attn, self.mlp
+        if attn.qkv.fuses_norm(x, batch):  # one row: the norm inside the q|k|v kernel
+            qkv, residual = attn.qkv.norm_project(x, residual, self.input_layernorm)
+            x = attn.attend(qkv, cos_sin, batch)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+            x = attn(h, cos_sin, batch)
+        assert residual is not None
+        if mlp.fused and mlp.gate_up.fuses_norm(x, batch):  # and silu(gate) * up after gate | up
+            act, residual = mlp.gate_up.norm_project(x, residual, self.post_attention_layernorm, pair=True)
+            return mlp.down(act, batch), residual
+        h, residual = self.post_attention_layernorm(x, residual)
+        return mlp(h, batch), residual
 
 
 class LlamaModel(nn.Module):

@@ -100,13 +100,13 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _retired: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured with them still use them
 
 
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The device's zeroed int32 arrival counters, at least `tiles` of them (grown outside capture)."""
     buf = _counters.get(device)
     if buf is None or buf.numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"skinny_linear needs {tiles} arrival counters during CUDA-graph capture; "
+                f"{tiles} arrival counters are needed during CUDA-graph capture; "
                 "run the same launch once before capturing"
             )
         if buf is not None:
@@ -316,7 +316,7 @@ def skinny_linear(
     tiles = triton.cdiv(n, cfg.block_n)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _arrival_counters(x.device, tiles)
+        counters = arrival_counters(x.device, tiles)
     else:
         ws = counters = y  # not read
     _skinny_kernel[(tiles, split)](

@@ -1,5 +1,5 @@
 """The worker's Triton kernels (RMSNorm, RoPE + KV-cache write, SiLU x up, paged decode and prefill
-attention, the skinny decode GEMM) compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and
+attention, the skinny decode GEMM and its one-row norm + projection, the row argmax) compile for Hopper (sm_90) without a GPU, for Llama-3.2-1B and
 Llama-3-8B shapes, and use no more registers than they have (tests/helpers/triton_compile.py records
 the launches of the real wrappers)."""
 
@@ -114,4 +114,41 @@ def test_skinny_gemm_compiles_for_hopper(monkeypatch, shape, rows, pdl) -> None:
     assert len(launches) == 1
     assert launches[0][2].get("WAIT_PRIOR", False) == pdl
     assert launches[0][2]["SPLIT"] == (config.split_k > 1)
+    assert_no_spills(launches)
+
+
+# (N, K, pair) of the one-row norm + projection kernel (model/skinny_norm.py): q|k|v, gate | up
+NORM_SHAPES = {
+    "1b-qkv": (3072, 2048, False),
+    "1b-gate_up": (16384, 2048, True),
+    "8b-qkv": (6144, 4096, False),
+    "8b-gate_up": (28672, 4096, True),
+}
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("shape", list(NORM_SHAPES))
+def test_norm_skinny_compiles_for_hopper(monkeypatch, shape, pdl) -> None:
+    """The default configuration, with a residual (and without, the first layer's)."""
+    from loraserve.inference_worker.model import skinny_norm
+
+    n, k, pair = NORM_SHAPES[shape]
+    monkeypatch.setattr(launch, "pdl_supported", lambda device: pdl)
+    launches = record_launches(monkeypatch, skinny_norm, "_norm_skinny_kernel")
+    bf16 = torch.bfloat16
+    x, nw, w = torch.zeros(1, k, dtype=bf16), torch.ones(k, dtype=bf16), torch.zeros(n, k, dtype=bf16)
+    skinny_norm.norm_linear(x, x.clone(), nw, 1e-5, w, pair=pair)
+    skinny_norm.norm_linear(x, None, nw, 1e-5, w, pair=pair)
+    assert len(launches) == 2
+    assert all(kw.get("WAIT_PRIOR", False) == pdl and kw["PAIR"] == pair for _, _, kw in launches)
+    assert_no_spills(launches)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_row_argmax_compiles_for_hopper(monkeypatch, rows) -> None:
+    from loraserve.inference_worker.model import row_argmax
+
+    launches = record_launches(monkeypatch, row_argmax, "_row_argmax_kernel")
+    row_argmax.row_argmax(torch.zeros(rows, 128256))
+    assert len(launches) == 1
     assert_no_spills(launches)
