@@ -3,8 +3,9 @@ the base engine and the LoRA engine, each with one feature on and off in one pro
 `--compare pdl` the model's own kernels launched with programmatic dependent launch (PDL,
 model/launch.py) or not; `--compare skinny` one-row steps' narrow projections on the skinny GEMM
 (model/linear.py; with the norm fusion below) or on cuBLAS with the norms apart; `--compare norm`
-one-row steps' RMSNorms folded into the q|k|v and gate | up projections (with SiLU x up after
-gate | up, model/skinny_norm.py) or apart, the skinny GEMM on in both.
+one-row steps' RMSNorms folded into the q|k|v and gate | up projections (with RoPE + the KV-cache
+write after q|k|v and SiLU x up after gate | up, model/skinny_norm.py) or apart, the skinny GEMM
+on in both.
 
 For a Llama-3.2-1B- and a Llama-3-8B-shaped random bf16 model (bench_lora_worker.py's shapes and
 rank-16 adapters on all seven modules), each case decodes a batch and profiles `--steps` engine

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loraserve.inference_worker.model.forward_batch import ForwardBatch
-from loraserve.inference_worker.model.linear import GroupedLinear
+from loraserve.inference_worker.model.linear import GroupedLinear, NormWeights
 from loraserve.inference_worker.model.rope import apply_rope
 
 DecodeAttention = Callable[
@@ -172,6 +172,44 @@ class Attention(nn.Module):
             q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos_sin)
             k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos_sin)
             write_kv(self.k_cache, self.v_cache, k, v, batch.slot_mapping)
+        return self.attend_rotated(q, k, v, batch)
+
+    def norm_attend(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: NormWeights,
+        cos_sin: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-row step where `qkv.fuses_norm`: norm(x + residual), q|k|v, RoPE and the cache write
+        in one kernel (model/skinny_norm_rope.py), then the attention -> (out [1, hidden], x + residual)."""
+        from loraserve.inference_worker.model.skinny_norm_rope import norm_qkv_rope
+
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        q, k, v, residual = norm_qkv_rope(
+            x,
+            residual,
+            norm.weight,
+            norm.eps,
+            self.qkv.weight,
+            self.qkv.bias,
+            cos_sin,
+            batch.slot_mapping,
+            self.k_cache,
+            self.v_cache,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        return self.attend_rotated(q, k, v, batch), residual
+
+    def attend_rotated(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        # q: [T, nh, d], k, v: [T, nkv, d], rotated and in the cache -> [T, hidden]
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        t = q.shape[0]
         p = batch.num_prefill_tokens
         if batch.num_decodes == 0:
             out = self._prefill(q, k, v, batch)

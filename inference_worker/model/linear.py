@@ -22,8 +22,9 @@ from loraserve.kernels import LoRABatch
 # measured 1.10-1.45x faster for q|k|v, o and down of the 1B and 8B shapes, and 0.98-1.04x for the
 # wide gate | up projections (benchmarks/results/skinny_gemm_h200_2026-11-29.md), left to cuBLAS.
 SKINNY_MAX_OUT = 8192
-# The same steps fold the RMSNorm before q|k|v and gate | up into those projections, and SiLU x up
-# after gate | up (model/skinny_norm.py), where no LoRA delta is added (`fuses_norm`).
+# The same steps fold the RMSNorm before q|k|v and gate | up into those projections, RoPE and the
+# KV-cache write after q|k|v, SiLU x up after gate | up (model/skinny_norm.py, skinny_norm_rope.py),
+# where no LoRA delta is added (`fuses_norm`).
 _fuse_norms = True
 
 

@@ -126,9 +126,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta, residual: the stream so far (None at layer 0) -> (delta, stream)."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.qkv.fuses_norm(x, batch):  # one row: the norm inside the q|k|v kernel
-            qkv, residual = attn.qkv.norm_project(x, residual, self.input_layernorm)
-            x = attn.attend(qkv, cos_sin, batch)
+        if attn.fused and attn.qkv.fuses_norm(x, batch):  # one row: norm, q|k|v, RoPE in one kernel
+            x, residual = attn.norm_attend(x, residual, self.input_layernorm, cos_sin, batch)
         else:
             h, residual = self.input_layernorm(x, residual)
             x = attn(h, cos_sin, batch)

@@ -7,6 +7,10 @@ one-row path, model/skinny_gemm.py), and for gate | up the SiLU x up after it:
         y = h @ weight.T (+ bias)
     pair=True (a gate | up weight [2I, K], no bias): y [1, I] = silu(g) * up, g | up = h @ weight.T
 
+The same kernel's RoPE epilogue (ROPE; model/skinny_norm_rope.py) rotates a q|k|v projection and
+writes k and v to the KV cache, so a one-row layer's input norm, q|k|v, RoPE and cache write are
+one launch.
+
 Each rounding is where the separate kernels round (fused_ops.rms_norm, then the skinny GEMM, then
 fused_ops.silu_mul): x + residual and h in the activation dtype, the products summed in fp32 and
 rounded once, silu(g) rounded before the product. So the step runs one kernel where it ran two or
@@ -18,7 +22,8 @@ BLOCK_N weight rows (both halves' rows with `pair`). Program 0 stores residual'.
 (model/launch.py) like the skinny GEMM: the first weight tiles load before the wait, everything
 else after it.
 
-The model uses it where `GroupedLinear.fuses_norm` says (model/linear.py).
+The model uses it where `GroupedLinear.fuses_norm` says (model/linear.py): gate | up through
+`GroupedLinear.norm_project`, q|k|v through `Attention.norm_attend`.
 """
 
 from __future__ import annotations
@@ -64,6 +69,39 @@ def _normed(X, R, NW, ks, km, rstd, HAS_RES: tl.constexpr):  # type: ignore[no-u
 
 
 @triton.jit
+def _rope_out(g, u, head, j, CS, SLOT, QO, KO, VO, KC, VC, NH, NKV, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+    # g, u: fp32 sums of rows j and j + HALF of `head` (q heads, then k, then v). Rounded to the
+    # activation dtype as the projection's output is, then what fused_ops.rope_and_cache does:
+    # q and k rotated (halves convention) in fp32; k and v also to the cache slot
+    dt = QO.dtype.element_ty
+    x1 = g.to(dt).to(tl.float32)
+    x2 = u.to(dt).to(tl.float32)
+    d = 2 * HALF
+    if head < NH + NKV:
+        cos = tl.load(CS + j)
+        sin = tl.load(CS + HALF + j)
+        o1 = (x1 * cos - x2 * sin).to(dt)
+        o2 = (x2 * cos + x1 * sin).to(dt)
+        if head < NH:
+            tl.store(QO + head * d + j, o1)
+            tl.store(QO + head * d + HALF + j, o2)
+        else:
+            at = (head - NH) * d + j
+            cache = KC + tl.load(SLOT) * NKV * d + at
+            tl.store(KO + at, o1)
+            tl.store(KO + at + HALF, o2)
+            tl.store(cache, o1)
+            tl.store(cache + HALF, o2)
+    else:
+        at = (head - NH - NKV) * d + j
+        cache = VC + tl.load(SLOT) * NKV * d + at
+        tl.store(VO + at, x1.to(dt))
+        tl.store(VO + at + HALF, x2.to(dt))
+        tl.store(cache, x1.to(dt))
+        tl.store(cache + HALF, x2.to(dt))
+
+
+@triton.jit
 def _norm_skinny_kernel(  # type: ignore[no-untyped-def]
     X,
     R,
@@ -75,6 +113,15 @@ def _norm_skinny_kernel(  # type: ignore[no-untyped-def]
     K,
     N_OUT,  # outputs: N, or I with PAIR (W then holds 2 I rows)
     eps,
+    CS,  # ROPE: the row's cos | sin [D] (float32), its cache slot, q / k / v outputs, the caches
+    SLOT,
+    QO,
+    KO,
+    VO,
+    KC,
+    VC,
+    NH,
+    NKV,
     HAS_RES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PAIR: tl.constexpr,
@@ -83,17 +130,28 @@ def _norm_skinny_kernel(  # type: ignore[no-untyped-def]
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,
     ROW: tl.constexpr,  # > 0: K padded to a power of two, the mean square in one load; 0: a loop
+    ROPE: tl.constexpr = False,  # q|k|v rows, rotated and written out (HALF: head_dim / 2)
+    HALF: tl.constexpr = 1,
     WAIT_PRIOR: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    n0 = pid * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
-    n_mask = n0 + offs_n < N_OUT
+    if ROPE:  # BLOCK_N rotation pairs of one head: rows j and j + HALF of it (HALF % BLOCK_N == 0)
+        head = (pid * BLOCK_N) // HALF
+        j0 = (pid * BLOCK_N) % HALF
+        n0 = head * 2 * HALF + j0
+        second = n0 + HALF
+        n_mask = offs_n < BLOCK_N
+    else:
+        n0 = pid * BLOCK_N
+        second = N_OUT + n0
+        n_mask = n0 + offs_n < N_OUT
+    TWO: tl.constexpr = PAIR or ROPE
     g_rows = W + n0.to(tl.int64) * K
-    u_rows = W + (N_OUT + n0).to(tl.int64) * K
+    u_rows = W + second.to(tl.int64) * K
     # weights: no kernel of a step writes them, so their first tiles load before the wait
     wg = _w_tile(g_rows, K, offs_n, n_mask, 0, K, BLOCK_K, EVEN_K)
-    if PAIR:
+    if TWO:
         wu = _w_tile(u_rows, K, offs_n, n_mask, 0, K, BLOCK_K, EVEN_K)
     if WAIT_PRIOR:  # launched with PDL (model/launch.py): x and the residual after the kernel before
         tl.extra.cuda.gdc_wait()
@@ -123,31 +181,36 @@ def _norm_skinny_kernel(  # type: ignore[no-untyped-def]
     rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
     h = _normed(X, R, NW, offs_k, offs_k < K, rstd, HAS_RES).to(tl.float32)[None, :]
     acc_g = wg.to(tl.float32) * h
-    if PAIR:
+    if TWO:
         acc_u = wu.to(tl.float32) * h
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + offs_k
         wg = _w_tile(g_rows, K, offs_n, n_mask, k0, K, BLOCK_K, EVEN_K)
-        if PAIR:
+        if TWO:
             wu = _w_tile(u_rows, K, offs_n, n_mask, k0, K, BLOCK_K, EVEN_K)
         h = _normed(X, R, NW, ks, ks < K, rstd, HAS_RES).to(tl.float32)[None, :]
         acc_g += wg.to(tl.float32) * h
-        if PAIR:
+        if TWO:
             acc_u += wu.to(tl.float32) * h
     cols = n0 + offs_n
     g = tl.sum(acc_g, 1)
-    if PAIR:
+    if ROPE:
+        u = tl.sum(acc_u, 1)
+        if HAS_BIAS:
+            g = g + tl.load(B + cols).to(tl.float32)
+            u = u + tl.load(B + second + offs_n).to(tl.float32)
+        _rope_out(g, u, head, j0 + offs_n, CS, SLOT, QO, KO, VO, KC, VC, NH, NKV, HALF)
+    elif PAIR:
         gq = g.to(Y.dtype.element_ty).to(tl.float32)
         u = tl.sum(acc_u, 1).to(Y.dtype.element_ty)
-        out = (gq / (1.0 + tl.exp(-gq))).to(Y.dtype.element_ty) * u
+        tl.store(Y + cols, (gq / (1.0 + tl.exp(-gq))).to(Y.dtype.element_ty) * u, mask=n_mask)
     else:
         if HAS_BIAS:
             g = g + tl.load(B + cols, mask=n_mask, other=0.0).to(tl.float32)
-        out = g.to(Y.dtype.element_ty)
-    tl.store(Y + cols, out, mask=n_mask)
+        tl.store(Y + cols, g.to(Y.dtype.element_ty), mask=n_mask)
 
 
-def _check(
+def check_args(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
@@ -191,7 +254,7 @@ def norm_linear_reference(
     config: SkinnyConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain-torch twin (config is ignored), rounding where the kernel rounds."""
-    _check(x, residual, norm_weight, weight, bias, pair)
+    check_args(x, residual, norm_weight, weight, bias, pair)
     r = x + residual if residual is not None else x
     rf = r.float()
     h = norm_weight * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -220,7 +283,7 @@ def norm_linear(
     """x, residual: [1, K]; norm_weight: [K]; weight: [N, K] ([2I, K] gate | up with `pair`); bias:
     [N] | None -> (y [1, N] or [1, I], x + residual, or x itself without a residual). config: a
     SkinnyConfig of one row (block_n, block_k, num_warps, num_stages; default_config when None)."""
-    _check(x, residual, norm_weight, weight, bias, pair)
+    check_args(x, residual, norm_weight, weight, bias, pair)
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
     norm_weight, weight = norm_weight.contiguous(), weight.contiguous()
@@ -233,7 +296,43 @@ def norm_linear(
             torch.add(x, residual, out=ro)
         return y, ro
     cfg = config or default_config(n, k, pair)
-    _norm_skinny_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+    run_kernel(
+        (triton.cdiv(n_out, cfg.block_n),),
+        cfg,
+        x,
+        residual,
+        ro,
+        norm_weight,
+        eps,
+        weight,
+        bias,
+        y,
+        n_out,
+        pair,
+    )
+    return y, ro
+
+
+def run_kernel(
+    grid: tuple[int],
+    cfg: SkinnyConfig,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    ro: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    n_out: int,
+    pair: bool,
+    rope: tuple[torch.Tensor, ...] = (),
+    heads: tuple[int, int, int] = (0, 0, 1),
+) -> None:
+    """The launch of norm_linear (rope empty) or of skinny_norm_rope.norm_qkv_rope (rope: cos | sin,
+    slot, q / k / v outputs, caches; heads: q heads, kv heads, head_dim / 2), arguments checked."""
+    k = x.shape[1]
+    _norm_skinny_kernel[grid](
         x,
         residual if residual is not None else x,
         ro,
@@ -244,6 +343,9 @@ def norm_linear(
         k,
         n_out,
         eps,
+        *(rope or [x] * 7),  # without RoPE: CS, SLOT, QO, KO, VO, KC, VC are not read
+        heads[0],
+        heads[1],
         HAS_RES=residual is not None,
         HAS_BIAS=bias is not None,
         PAIR=pair,
@@ -252,8 +354,9 @@ def norm_linear(
         EVEN_K=k % cfg.block_k == 0,
         STAGES=cfg.num_stages,
         ROW=_one_load_row(k, cfg.num_warps),
+        ROPE=bool(rope),
+        HALF=heads[2],
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(x.device),
     )
-    return y, ro

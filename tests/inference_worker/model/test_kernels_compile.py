@@ -152,3 +152,25 @@ def test_row_argmax_compiles_for_hopper(monkeypatch, rows) -> None:
     row_argmax.row_argmax(torch.zeros(rows, 128256))
     assert len(launches) == 1
     assert_no_spills(launches)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_norm_qkv_rope_compiles_for_hopper(monkeypatch, shape, pdl) -> None:
+    """The one-row norm + q|k|v kernel with its RoPE and cache-write epilogue, with and without a bias."""
+    from loraserve.inference_worker.model import skinny_norm, skinny_norm_rope
+
+    hidden, _, nh, nkv, d = SHAPES[shape]
+    monkeypatch.setattr(launch, "pdl_supported", lambda device: pdl)
+    launches = record_launches(monkeypatch, skinny_norm, "_norm_skinny_kernel")
+    bf16 = torch.bfloat16
+    x, nw = torch.zeros(1, hidden, dtype=bf16), torch.ones(hidden, dtype=bf16)
+    w = torch.zeros((nh + 2 * nkv) * d, hidden, dtype=bf16)
+    cache = torch.zeros(8, 16, nkv, d, dtype=bf16)
+    cs, slot = torch.zeros(1, d), torch.zeros(1, dtype=torch.int64)
+    for bias in (None, torch.zeros(w.shape[0], dtype=bf16)):
+        skinny_norm_rope.norm_qkv_rope(
+            x, x.clone(), nw, 1e-5, w, bias, cs, slot, cache, cache.clone(), nh, nkv, d
+        )
+    assert len(launches) == 2 and all(kw["ROPE"] for _, _, kw in launches)
+    assert_no_spills(launches)

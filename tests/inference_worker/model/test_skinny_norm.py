@@ -52,6 +52,38 @@ def check(device, dtype, n, k, res, bias, pair, config, name, failures):
     except AssertionError as e:
         failures.append(f"{name}: {e}")
 
+def rope_check(device, dtype, nh, nkv, d, k, res, bias, config, name, failures):
+    from loraserve.inference_worker.model.skinny_norm_rope import norm_qkv_rope
+    g = torch.Generator().manual_seed(nh * 7 + d + k)
+    n = (nh + 2 * nkv) * d
+    x = torch.randn(1, k, generator=g).to(device, dtype)
+    rs = torch.randn(1, k, generator=g).to(device, dtype) if res else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    angles = torch.rand(d // 2, generator=g) * 6.0
+    cs = torch.cat([angles.cos(), angles.sin()])[None, :].to(device)
+    slot = torch.tensor([5], device=device)
+    kc = torch.zeros(2, 4, nkv, d, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    q, kk, v, ro = norm_qkv_rope(x, rs, nw, EPS, w, b, cs, slot, kc, vc, nh, nkv, d, config=config)
+    try:
+        y, r = oracle(x, rs, nw, w, b, False)
+        half = d // 2
+        cos, sin = cs.double()[:, None, :half], cs.double()[:, None, half:]
+        def rot(t):
+            return torch.cat([t[..., :half] * cos - t[..., half:] * sin, t[..., half:] * cos + t[..., :half] * sin], -1)
+        want_q = rot(y[:, : nh * d].view(1, nh, d))
+        want_k = rot(y[:, nh * d : (nh + nkv) * d].view(1, nkv, d))
+        want_v = y[:, (nh + nkv) * d :].view(1, nkv, d)
+        tol = TOL[dtype]
+        for got, want in ((q, want_q), (kk, want_k), (v, want_v), (ro, r)):
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+        assert torch.equal(kc[1, 1], kk[0]) and torch.equal(vc[1, 1], v[0]), "cache slot 5"
+        assert not kc[0].any() and not kc[1, [0, 2, 3]].any(), "only slot 5 written"
+    except AssertionError as e:
+        failures.append(f"rope {name}: {e}")
+
 def interpreter_cases():
     failures = []
     for dtype in (torch.float32, torch.float16):
@@ -67,6 +99,11 @@ def interpreter_cases():
         # a row past what one load holds at one warp (2,048 elements): the mean square in a loop
         loop = SkinnyConfig(8, 512, 1, num_warps=1, use_dot=False)
         check("cpu", dtype, 16, 2100, True, False, True, loop, f"{dtype} loop", failures)
+        # q|k|v with RoPE: 3 q heads, 1 kv head of 16; 4 pairs a program, and the default (8)
+        for res, bias in ((True, True), (False, False)):
+            rope = SkinnyConfig(4, 32, 1, num_warps=2, use_dot=False)
+            rope_check("cpu", dtype, 3, 1, 16, 80, res, bias, rope, f"{dtype} res={res} bias={bias}", failures)
+        rope_check("cpu", dtype, 2, 2, 8, 48, True, False, None, f"{dtype} default", failures)
     return failures
 """
 
@@ -201,10 +238,10 @@ def _one_row_step(model, position: int) -> torch.Tensor:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_model_one_row_steps_with_and_without_the_fusion(monkeypatch, qkv_bias) -> None:
-    """A model's one-row decode steps with the norms folded in give the hidden states of the same
-    steps with them apart (the KV cache written alike), and the fused kernel runs twice a layer
-    (q|k|v and gate | up) only with the fusion on."""
-    from loraserve.inference_worker.model import linear, skinny_norm
+    """A model's one-row decode steps with the norms folded in (and RoPE + the cache write into the
+    q|k|v kernel) give the hidden states of the same steps with them apart, the KV cache written
+    alike; the fused kernels run twice a layer (q|k|v and gate | up) only with the fusion on."""
+    from loraserve.inference_worker.model import linear, skinny_norm, skinny_norm_rope
     from loraserve.inference_worker.model.config import ModelConfig
     from loraserve.inference_worker.model.llama import LlamaModel
 
@@ -224,8 +261,9 @@ def test_model_one_row_steps_with_and_without_the_fusion(monkeypatch, qkv_bias) 
     )
     assert cfg.qkv_bias == qkv_bias
     calls: list[int] = []
-    real = skinny_norm.norm_linear
-    monkeypatch.setattr(skinny_norm, "norm_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for module, name in ((skinny_norm, "norm_linear"), (skinny_norm_rope, "norm_qkv_rope")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     outs = []
     for fuse in (True, False):
         model = LlamaModel(cfg, torch.bfloat16, "cuda")
@@ -253,3 +291,52 @@ def test_model_one_row_steps_with_and_without_the_fusion(monkeypatch, qkv_bias) 
     torch.testing.assert_close(fused, apart, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(k_fused, k_apart, atol=3e-2, rtol=3e-2)
     assert k_fused[1:3].abs().sum() > 0, "the steps wrote the cache"
+
+
+def test_rope_twin_matches_the_model_steps() -> None:
+    """norm_qkv_rope's twin is the model's CPU steps bit for bit: the norm + projection twin, then
+    apply_rope and write_kv."""
+    from loraserve.inference_worker.model.attention import write_kv
+    from loraserve.inference_worker.model.rope import apply_rope
+    from loraserve.inference_worker.model.skinny_norm_rope import norm_qkv_rope_reference
+
+    bf, (nh, nkv, d, k) = torch.bfloat16, (4, 2, 16, 64)
+    g = torch.Generator().manual_seed(5)
+    x, res = (torch.randn(1, k, generator=g).to(bf) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(bf)
+    w = (torch.randn((nh + 2 * nkv) * d, k, generator=g) * 0.1).to(bf)
+    cs = torch.randn(1, d, generator=g)
+    slot = torch.tensor([3])
+    caches = [torch.zeros(2, 4, nkv, d, dtype=bf) for _ in range(4)]
+    q, kk, v, r = norm_qkv_rope_reference(
+        x, res, nw, 1e-5, w, None, cs, slot, caches[0], caches[1], nh, nkv, d
+    )
+    y, stream = norm_linear_reference(x, res, nw, 1e-5, w)
+    want_q = apply_rope(y[:, : nh * d].view(1, nh, d), cs)
+    want_k = apply_rope(y[:, nh * d : (nh + nkv) * d].view(1, nkv, d), cs)
+    write_kv(caches[2], caches[3], want_k, y[:, (nh + nkv) * d :].view(1, nkv, d), slot)
+    assert torch.equal(q, want_q) and torch.equal(kk, want_k) and torch.equal(r, stream)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_rope_bad_arguments_raise_before_launch(twin) -> None:
+    from loraserve.inference_worker.model import skinny_norm_rope
+
+    fn = skinny_norm_rope.norm_qkv_rope_reference if twin else skinny_norm_rope.norm_qkv_rope
+    bf = torch.bfloat16
+    x, nw, w = torch.zeros(1, 32, dtype=bf), torch.ones(32, dtype=bf), torch.zeros(4 * 8, 32, dtype=bf)
+    cs, slot, cache = torch.zeros(1, 8), torch.zeros(1, dtype=torch.int64), torch.zeros(2, 4, 1, 8, dtype=bf)
+    good = (x, None, nw, 1e-5, w, None, cs, slot, cache, cache.clone(), 2, 1, 8)
+    for at, bad, match in (
+        (4, w[:24], "rows"),
+        (6, cs.double(), "cos_sin"),
+        (7, slot.int(), "slot_mapping"),
+        (8, torch.zeros(2, 4, 2, 8, dtype=bf), "caches"),
+        (9, cache.half(), "caches"),
+        (12, 7, "head_dim even"),
+    ):
+        args = list(good)
+        args[at] = bad
+        with pytest.raises(ValueError, match=match):
+            fn(*args)
