@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from loraserve.inference_worker.model.rope import apply_rope
 from loraserve.inference_worker.model.skinny_gemm import SkinnyConfig
 from loraserve.inference_worker.model.skinny_norm import (
     check_args,
@@ -81,17 +82,8 @@ def norm_qkv_rope_reference(
     _check(x, weight, cos_sin, slot_mapping, k_cache, v_cache, (num_heads, num_kv_heads, head_dim))
     y, r = norm_linear_reference(x, residual, norm_weight, eps, weight, bias)
     nh, nkv, d = num_heads, num_kv_heads, head_dim
-    half = d // 2
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-
-    def rotate(t: torch.Tensor) -> torch.Tensor:
-        f = t.float()
-        return torch.cat(
-            [f[..., :half] * cos - f[..., half:] * sin, f[..., half:] * cos + f[..., :half] * sin], -1
-        )
-
-    q = rotate(y[:, : nh * d].view(1, nh, d)).to(x.dtype)
-    k = rotate(y[:, nh * d : (nh + nkv) * d].view(1, nkv, d)).to(x.dtype)
+    q = apply_rope(y[:, : nh * d].view(1, nh, d), cos_sin)
+    k = apply_rope(y[:, nh * d : (nh + nkv) * d].view(1, nkv, d), cos_sin)
     v = y[:, (nh + nkv) * d :].reshape(1, nkv, d)
     k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v)
