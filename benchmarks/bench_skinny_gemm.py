@@ -44,7 +44,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loraserve.inference_worker.model import launch, skinny_gemm
+from loraserve.inference_worker.model import arrival_counters, launch, skinny_gemm
 from loraserve.inference_worker.model.fused_ops import rms_norm
 from loraserve.inference_worker.model.skinny_gemm import SkinnyConfig, default_config, skinny_linear
 
@@ -180,7 +180,7 @@ class Case:
             return f"{type(e).__name__}: {str(e)[:300]}"
         err = ((y - self.ref).abs().max() / self.ref.abs().max().clamp_min(1e-6)).item()
         if not err <= 1e-2:
-            counters = skinny_gemm._counters.get(self.x.device)
+            counters = arrival_counters._counters.get(self.x.device)
             if counters is not None:
                 counters.zero_()
             return f"relative error {err:.3g}"

@@ -97,18 +97,19 @@ class GroupedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def fuses_norm(self, x: torch.Tensor, batch: ForwardBatch) -> bool:
-        """Whether `norm_project` serves this step: one row on CUDA in a 16-bit dtype, no LoRA delta
-        to add (a LoRA shrink reads the normed input, which the fused kernel keeps to itself)."""
+        """Whether `norm_silu_mul` (gate | up) or Attention.norm_attend (q|k|v) serves this step:
+        one row on CUDA in a 16-bit dtype, no LoRA delta to add (a LoRA shrink reads the normed
+        input, which the fused kernel keeps to itself)."""
         return _fuse_norms and self.fusable and x.shape[0] == 1 and (self.lora is None or batch.lora is None)
 
-    def norm_project(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights, *, pair: bool = False
+    def norm_silu_mul(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: NormWeights
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """project(norm(x + residual)) and x + residual in one kernel (where `fuses_norm`); with
-        `pair` (gate | up) silu(gate) * up of the projection."""
+        """For gate | up where `fuses_norm`: silu(gate) * up of project(norm(x + residual)), and
+        x + residual, in one kernel (q|k|v's twin, with RoPE: Attention.norm_attend)."""
         from loraserve.inference_worker.model.skinny_norm import norm_linear
 
-        return norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, pair=pair)
+        return norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, pair=True)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, in] -> y: [T, sum(out_sizes)]

@@ -126,14 +126,14 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta, residual: the stream so far (None at layer 0) -> (delta, stream)."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.fused and attn.qkv.fuses_norm(x, batch):  # one row: norm, q|k|v, RoPE in one kernel
+        if attn.qkv.fuses_norm(x, batch):  # one row: norm, q|k|v, RoPE in one kernel
             x, residual = attn.norm_attend(x, residual, self.input_layernorm, cos_sin, batch)
         else:
             h, residual = self.input_layernorm(x, residual)
             x = attn(h, cos_sin, batch)
         assert residual is not None
-        if mlp.fused and mlp.gate_up.fuses_norm(x, batch):  # and silu(gate) * up after gate | up
-            act, residual = mlp.gate_up.norm_project(x, residual, self.post_attention_layernorm, pair=True)
+        if mlp.gate_up.fuses_norm(x, batch):  # norm, gate | up, silu(gate) * up in one kernel
+            act, residual = mlp.gate_up.norm_silu_mul(x, residual, self.post_attention_layernorm)
             return mlp.down(act, batch), residual
         h, residual = self.post_attention_layernorm(x, residual)
         return mlp(h, batch), residual

@@ -10,8 +10,8 @@ first chunk holding the row's maximum, stores its column and sets the counter ba
 replays find it zero). So ties go to the lowest column, as torch.argmax's. A NaN counts as greater
 than every number, as in torch.argmax; in a row with NaN and +inf the first of either wins.
 
-The counters are model/skinny_gemm.py's (one zeroed buffer per device): the launches sharing them
-run on one stream, one after another.
+The counters are model/arrival_counters.py's (one zeroed buffer per device, shared with the skinny
+GEMM's split-K launches): the launches sharing them run on one stream, one after another.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.inference_worker.model.skinny_gemm import arrival_counters
+from loraserve.inference_worker.model.arrival_counters import arrival_counters
 
 BLOCK = 4096  # columns a program
 MAX_CHUNKS = 1024  # chunks a row (vocabularies up to 4M columns)

@@ -15,8 +15,8 @@ every SM:
                   in split order (deterministic), adds the bias, stores y and sets the counter back
                   to 0, so the counters are zero again after every launch (CUDA-graph replays too).
 
-The counters are one persistent zeroed int32 buffer per device, shared by every launch on it: the
-launches sharing it must run on one stream (as the worker's model does), never concurrently.
+The counters are model/arrival_counters.py's: one persistent zeroed buffer per device, shared by
+every launch on it, so the launches sharing it must run on one stream, never concurrently.
 
 The inner product is `tl.dot` of x padded to 16 rows by a w tile (USE_DOT), or per row a
 broadcast multiply and sum over K (`tl.sum(w * x[None, :], 1)`), which may be faster for one row.
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.inference_worker.model.arrival_counters import arrival_counters
 from loraserve.inference_worker.model.launch import pdl_launch
 from loraserve.kernels.launch_options import multiprocessors
 
@@ -45,7 +46,6 @@ from loraserve.kernels.launch_options import multiprocessors
 
 MAX_ROWS = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_COUNTERS = 16384  # arrival counters allocated at first use on a device (64 KiB)
 
 
 @dataclass(frozen=True)
@@ -94,26 +94,6 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
         split *= 2
     block_k = min(max(16384 // (2 * block_n), 64), 512, max(16, triton.next_power_of_2(k // split)))
     return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=3, use_dot=m > 1)
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-_retired: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured with them still use them
-
-
-def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's zeroed int32 arrival counters, at least `tiles` of them (grown outside capture)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"{tiles} arrival counters are needed during CUDA-graph capture; "
-                "run the same launch once before capturing"
-            )
-        if buf is not None:
-            _retired.append(buf)
-        size = max(tiles, MIN_COUNTERS, 2 * buf.numel() if buf is not None else 0)
-        buf = _counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buf
 
 
 @triton.jit

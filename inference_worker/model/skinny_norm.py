@@ -23,7 +23,7 @@ BLOCK_N weight rows (both halves' rows with `pair`). Program 0 stores residual'.
 else after it.
 
 The model uses it where `GroupedLinear.fuses_norm` says (model/linear.py): gate | up through
-`GroupedLinear.norm_project`, q|k|v through `Attention.norm_attend`.
+`GroupedLinear.norm_silu_mul`, q|k|v through `Attention.norm_attend`.
 """
 
 from __future__ import annotations

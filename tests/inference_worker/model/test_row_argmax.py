@@ -15,7 +15,7 @@ from tests.helpers.interpreter import interpreted
 
 CASE = r"""
 import torch
-from loraserve.inference_worker.model import skinny_gemm
+from loraserve.inference_worker.model import arrival_counters
 from loraserve.inference_worker.model.row_argmax import BLOCK, row_argmax
 
 def rows(device, n, v, seed):
@@ -42,7 +42,7 @@ def check(device, n, v, seed, failures):
     want = torch.argmax(x.cpu(), dim=-1).to(device)
     if got is not out or not torch.equal(got, want):
         failures.append(f"n={n} v={v}: {got.tolist()} != {want.tolist()}")
-    counters = skinny_gemm._counters.get(x.device)
+    counters = arrival_counters._counters.get(x.device)
     if counters is not None and counters.any():
         failures.append(f"n={n} v={v}: arrival counters not zero")
 

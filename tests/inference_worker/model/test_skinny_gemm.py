@@ -20,7 +20,7 @@ from tests.helpers.interpreter import interpreted
 
 CASE = r"""
 import torch
-from loraserve.inference_worker.model import skinny_gemm
+from loraserve.inference_worker.model import arrival_counters
 from loraserve.inference_worker.model.skinny_gemm import SkinnyConfig, skinny_linear
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -42,7 +42,7 @@ def check(device, dtype, m, n, k, bias, config, name, failures, stride=None):
         tol = TOL[dtype]
         torch.testing.assert_close(y.double(), oracle(x, w, b), rtol=tol, atol=tol)
         assert torch.equal(y, again), "two launches differ"
-        counters = skinny_gemm._counters.get(x.device)
+        counters = arrival_counters._counters.get(x.device)
         assert counters is None or not counters.any(), "arrival counters not zero"
     except AssertionError as e:
         failures.append(f"{name}: {e}")
