@@ -14,7 +14,6 @@ import argparse
 import datetime
 import importlib.util
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.graph_timing import capture, time_graphs
 from loraserve.inference_worker.model import decode_attention
 
 SHAPES = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # query heads, KV heads, head_dim
@@ -60,33 +60,14 @@ def case(nh: int, nkv: int, d: int, batch: int, ctx: int, width: int) -> tuple:
 def graph_of(
     fn: Callable, qs: list, caches: list, table: torch.Tensor, lens: torch.Tensor
 ) -> torch.cuda.CUDAGraph:
+    """The attention of every layer's q and caches, one after another, in one graph."""
     scale = qs[0].shape[-1] ** -0.5
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for q, (k, v) in zip(qs, caches, strict=True):  # warm-up (compiles) outside the capture
-            fn(q, k, v, table, lens, scale)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+
+    def layers() -> None:
         for q, (k, v) in zip(qs, caches, strict=True):
             fn(q, k, v, table, lens, scale)
-    return graph
 
-
-def replay_us(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
-    """µs per replay of `graph` (CUDA events around `reps` replays, after one)."""
-    graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps
-
-
-def time_us(graph: torch.cuda.CUDAGraph) -> float:
-    return replay_us(graph) / LAYERS
+    return capture(layers)
 
 
 def main() -> int:
@@ -103,6 +84,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode_attention needs a CUDA GPU", file=sys.stderr)
+        return 2
     versions: dict[str, Callable] = {"this tree": decode_attention.paged_decode_attention}
     for i, path in enumerate(args.baseline):
         versions["baseline" if i == 0 else Path(path).stem] = load_version(path)
@@ -115,19 +99,14 @@ def main() -> int:
                     continue
                 qs, caches, table, lens = case(nh, nkv, d, batch, ctx, width)
                 want = versions["this tree"](qs[0], *caches[0], table, lens, d**-0.5)
-                for name, fn in versions.items():
+                for name, fn in list(versions.items())[1:]:  # the baselines against this tree
                     got = fn(qs[0], *caches[0], table, lens, d**-0.5)
                     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0, msg=name)
                 graphs = {name: graph_of(fn, qs, caches, table, lens) for name, fn in versions.items()}
-                times: dict[str, list[float]] = {name: [] for name in versions}
-                names = list(versions)
-                for r in range(args.rounds):
-                    for name in names[r % len(names) :] + names[: r % len(names)]:
-                        times[name].append(time_us(graphs[name]))
+                us = time_graphs(graphs, args.rounds, 20, LAYERS)
                 kv_bytes = 2 * batch * ctx * nkv * d * 2
                 row = {"shape": shape, "batch": batch, "ctx": ctx, "kv_mb": kv_bytes / 1e6}
-                for name in versions:
-                    row[name] = statistics.median(times[name])
+                row.update(us)
                 rows.append(row)
                 line = ", ".join(f"{name} {row[name]:.2f} us" for name in versions)
                 print(f"{shape} batch {batch} ctx {ctx} ({row['kv_mb']:.1f} MB of KV): {line}", flush=True)

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.graph_timing import capture, round_times
 from loraserve.inference_worker.lora.layer import worker_launch_options
 from loraserve.inference_worker.model.fused_ops import silu_mul
 from loraserve.kernels import LaunchOptions, LoRABatch, add_lora, add_lora_silu_mul
@@ -63,27 +64,7 @@ class Layers:
 
 def time_graphs(variants: dict, rounds: int, replays: int) -> dict[str, list[float]]:
     """Each variant captured in a CUDA graph and replayed in interleaved rounds: us per layer."""
-    graphs = {}
-    for name, fn in variants.items():
-        fn()  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graphs[name] = graph
-    times: dict[str, list[float]] = {n: [] for n in graphs}
-    for r in range(rounds):
-        order = list(graphs)[r % len(graphs) :] + list(graphs)[: r % len(graphs)]
-        for name in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graphs[name].replay()
-            start.record()
-            for _ in range(replays):
-                graphs[name].replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1000 / replays / LAYERS)
-    return times
+    return round_times({name: capture(fn) for name, fn in variants.items()}, rounds, replays, LAYERS)
 
 
 def with_tiles(fn, block_n: int, num_warps: int):  # type: ignore[no-untyped-def]

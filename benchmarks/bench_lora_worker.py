@@ -355,15 +355,12 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     engines = {"base": LLMEngine(model, tokenizer, engine_config())}
     engines["base"].runner.capture_graphs()
     if args.model_pdl_variants:  # base and LoRA engines whose own model kernels launch without PDL
-        previous = launch.set_pdl(False)
-        try:
+        with launch.pdl_off():
             engines["base, model PDL off"] = LLMEngine(model, tokenizer, engine_config())
             engines["base, model PDL off"].runner.capture_graphs()
             set_launch_options(model, default)
             engines["model PDL off"] = LLMEngine(model, tokenizer, engine_config(), adapters)
             engines["model PDL off"].runner.capture_graphs()
-        finally:
-            launch.set_pdl(previous)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     variants: dict[str, tuple[LaunchOptions, torch.cuda.Stream | None]] = {"default": (default, None)}
     if args.fused_silu_variant:  # the gate | up expand writing the activation at decode sizes too
@@ -395,7 +392,7 @@ def bench_shape(shape: str, results: dict, args: argparse.Namespace) -> None:
     cases = [("base engine", "base", 0)]
     if args.model_pdl_variants:
         cases.append(("base engine, model PDL off", "base, model PDL off", 0))
-    for name in variants | ({"model PDL off": None} if args.model_pdl_variants else {}):
+    for name in [*variants, *(["model PDL off"] if args.model_pdl_variants else [])]:
         cases += [(f"LoRA {name}, {n} adapters", name, n) for n in counts]
     for name, engine in engines.items():  # warm up every engine
         bind(engine)

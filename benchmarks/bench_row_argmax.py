@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_skinny_gemm import capture, time_graphs
+from benchmarks.graph_timing import capture, time_graphs
 from loraserve.inference_worker.model.row_argmax import row_argmax
 
 LAUNCHES = 20

@@ -33,7 +33,6 @@ import dataclasses
 import itertools
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.graph_timing import capture, time_graphs
 from loraserve.inference_worker.model import arrival_counters, launch, skinny_gemm
 from loraserve.inference_worker.model.fused_ops import rms_norm
 from loraserve.inference_worker.model.skinny_gemm import SkinnyConfig, default_config, skinny_linear
@@ -114,36 +114,6 @@ def second_stage(best: list[SkinnyConfig], m: int, n: int, k: int, num_sms: int)
 
 def name(c: SkinnyConfig) -> str:
     return f"n{c.block_n}.k{c.block_k}.s{c.split_k}.w{c.num_warps}.st{c.num_stages}.{'dot' if c.use_dot else 'sum'}"
-
-
-def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    fn()  # compile and allocate outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def time_graphs(
-    graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, replays: int, per: int
-) -> dict[str, float]:
-    """Each graph replayed `replays` times per round, rounds interleaved: median us per GEMM."""
-    times: dict[str, list[float]] = {n: [] for n in graphs}
-    names = list(graphs)
-    for g in graphs.values():
-        g.replay()
-    torch.cuda.synchronize()
-    for r in range(rounds):
-        for key in names[r % len(names) :] + names[: r % len(names)]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graphs[key].replay()
-            end.record()
-            end.synchronize()
-            times[key].append(start.elapsed_time(end) * 1000 / replays / per)
-    return {key: statistics.median(t) for key, t in times.items()}
 
 
 class Case:
@@ -224,11 +194,8 @@ def run_case(case: Case, num_sms: int, args: argparse.Namespace) -> dict:
     best = min(timed, key=lambda c: times[name(c)]) if timed else None
     no_pdl = None
     if best is not None and launch.pdl_launch(case.x.device):
-        previous = launch.set_pdl(False)
-        try:
+        with launch.pdl_off():
             extra = {"best, no PDL": capture(case.skinny(best))}
-        finally:
-            launch.set_pdl(previous)
         extra["best"] = capture(case.skinny(best))
         t3, _ = case.time([], args.rounds, extra)
         no_pdl = times[name(best)] * t3["best, no PDL"] / t3["best"]

@@ -52,7 +52,8 @@ for what in "${steps[@]}"; do
       step gpu-tests python3 -m pytest -q -p no:cacheprovider --durations=8 tests/kernels/test_sgmv_gpu.py \
         tests/inference_worker/engine/test_cuda_engine.py tests/inference_worker/model/test_decode_attention.py \
         tests/inference_worker/model/test_prefill_attention.py tests/inference_worker/engine/test_kernel_warmup.py \
-        tests/inference_worker/lora/test_lora_gpu.py tests/inference_worker/model/test_skinny_gemm.py ;;
+        tests/inference_worker/lora/test_lora_gpu.py tests/inference_worker/model/test_skinny_gemm.py \
+        tests/inference_worker/model/test_skinny_norm.py tests/inference_worker/model/test_row_argmax.py ;;
     kernels)
       # the launch variants A/B/A/B on the decode configurations, then the table with the fastest
       step kernels python3 benchmarks/bench_kernels.py --sweep --table-configs decode-prefill --no-reference --out "$OUT" ;;

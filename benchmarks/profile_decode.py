@@ -39,10 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # benchmarks/ is on the path as the script's folder
-from bench_decode_attention import replay_us
 from bench_engine import copy_bandwidth
 from bench_lora_worker import BATCH, PROMPT_LEN, bind, engine_config, hf_config, make_payload
 
+from benchmarks.graph_timing import replay_us
 from loraserve.inference_worker.builder import build_adapters
 from loraserve.inference_worker.config import WorkerConfig
 from loraserve.inference_worker.engine.engine import LLMEngine
@@ -141,21 +141,17 @@ def kernel_profile(engine: LLMEngine, steps: int) -> dict:
 def turned_off(model: LlamaModel, feature: str) -> Iterator[None]:
     """`feature` off for the engines built and graphs captured inside."""
     if feature == "pdl":
-        previous = launch.set_pdl(False)
-        try:
+        with launch.pdl_off():
             yield
-        finally:
-            launch.set_pdl(previous)
         return
-    previous = linear.set_norm_fusion(False)  # "norm", and "skinny": the fusion is a skinny kernel
     linears = model.grouped_linears().values() if feature == "skinny" else []
     saved = [m.skinny for m in linears]
     for m in linears:
         m.skinny = False
     try:
-        yield
+        with linear.norm_fusion_off():  # "norm", and "skinny": the fusion is a skinny kernel
+            yield
     finally:
-        linear.set_norm_fusion(previous)
         for m, was in zip(linears, saved, strict=True):
             m.skinny = was
 
@@ -205,16 +201,15 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float) -> dict:
         row: dict = {}
         ids_of = ["" if n == 0 else f"bench-{i % n}" for i in range(batch)]
         replays: dict[str, list[float]] = {"on": [], "off": []}
-        running_ids: dict[str, list[str]] = {}
         for setting in ("on", "off"):
             engine = engines[f"{kind}, {args.compare} {setting}"]
             bind(engine)
-            running_ids[setting] = start(engine, ids_of, cfg["vocab_size"], 64 + args.steps)
+            running = start(engine, ids_of, cfg["vocab_size"], 64 + args.steps)
             row[f"profile_{setting}"] = kernel_profile(engine, args.steps)
-            ctx = sum(s.num_tokens for s in engine.scheduler.running)
-            row["kv_gb"] = ctx * kv_per_token / 1e9
-            stop(engine, running_ids[setting])
-            # the replay of the last decode step's graph (its inputs stay as the last step left them)
+            ctx = sum(s.num_tokens for s in engine.scheduler.running)  # the same prompts and steps
+            row["kv_gb"] = ctx * kv_per_token / 1e9  # in both settings
+            stop(engine, running)
+        # the replay of the last decode step's graph (its inputs stay as the last step left them)
         for r in range(args.rounds):
             for setting in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 replays[setting].append(replay_ms(engines[f"{kind}, {args.compare} {setting}"], batch))
@@ -259,6 +254,9 @@ def main() -> int:
     ap.add_argument("--no-lora", dest="lora", action="store_false", help="the base engine's cases only")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_decode needs a CUDA GPU", file=sys.stderr)
+        return 2
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     results: dict = {

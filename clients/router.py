@@ -99,6 +99,11 @@ def _base_id(adapter_id: str) -> str:
 
 
 MAX_IMBALANCE = 16  # sequences over the least loaded worker before a holder loses its place
+# WorkerRouter's defaults (the gateway's flags too): how old a view may be before it is refreshed, how
+# long a refresh may take, how long a worker that did not answer is left out
+REFRESH_S = 2.0
+REFRESH_TIMEOUT_S = 2.0
+DOWN_S = 5.0
 
 
 def order_workers(
@@ -127,9 +132,9 @@ class WorkerRouter:
         self,
         addresses: Sequence[str],
         *,
-        refresh_s: float = 2.0,
-        refresh_timeout_s: float = 2.0,
-        down_s: float = 5.0,
+        refresh_s: float = REFRESH_S,
+        refresh_timeout_s: float = REFRESH_TIMEOUT_S,
+        down_s: float = DOWN_S,
         token: str | None = None,
         tls_ca: str | None = None,
         timeout: float | None = None,

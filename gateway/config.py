@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.clients.router import DOWN_S, REFRESH_S, REFRESH_TIMEOUT_S
 from loraserve.serving.settings import config_from_args
 
 _HELP = {
@@ -67,9 +68,9 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     first_message_timeout_s: float = 0.0
     keep_alive_s: float = 75.0
-    route_refresh_s: float = 2.0
-    worker_read_timeout_s: float = 2.0
-    worker_down_s: float = 5.0
+    route_refresh_s: float = REFRESH_S
+    worker_read_timeout_s: float = REFRESH_TIMEOUT_S
+    worker_down_s: float = DOWN_S
     redis_timeout_s: float = 2.0
     worker_connections: int = 1
     otlp_endpoint: str = ""

@@ -132,7 +132,8 @@ class AdapterFetcher:
         with tracing.span("worker.adapter_load", attributes, parent=flight.trace_context) as span:
             try:
                 got = await self._fetch(flight)
-            except asyncio.CancelledError:  # its future was cancelled: nobody reads the outcome
+            # cancelled only as the loop stops: the waiters shield the flight (AdapterPool.ensure_cpu)
+            except asyncio.CancelledError:
                 return DependencyUnavailable(f"the fetch of adapter {flight.ref.adapter_id!r} was cancelled")
             if isinstance(got, WorkerError):
                 tracing.set_error(span, got.message)

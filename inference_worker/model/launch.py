@@ -16,6 +16,9 @@ captured): benchmarks compare both in one process.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from loraserve.kernels.launch_options import pdl_supported
@@ -28,6 +31,16 @@ def set_pdl(enabled: bool) -> bool:
     global _enabled
     previous, _enabled = _enabled, enabled
     return previous
+
+
+@contextlib.contextmanager
+def pdl_off() -> Iterator[None]:
+    """PDL off for the launches (and graph captures) made inside, as it was after."""
+    previous = set_pdl(False)
+    try:
+        yield
+    finally:
+        set_pdl(previous)
 
 
 def pdl_launch(device: torch.device) -> dict[str, bool]:

@@ -7,7 +7,8 @@ activation at once."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -28,12 +29,16 @@ SKINNY_MAX_OUT = 8192
 _fuse_norms = True
 
 
-def set_norm_fusion(enabled: bool) -> bool:
-    """Whether one-row steps fold their norms into the projections from now on (`fuses_norm`);
-    -> the previous setting. A captured CUDA graph keeps what it captured: benchmarks compare both."""
+@contextlib.contextmanager
+def norm_fusion_off() -> Iterator[None]:
+    """One-row steps keep their norms apart (`fuses_norm` false) inside, as it was after. A captured
+    CUDA graph keeps what it captured: benchmarks and tests compare both."""
     global _fuse_norms
-    previous, _fuse_norms = _fuse_norms, enabled
-    return previous
+    previous, _fuse_norms = _fuse_norms, False
+    try:
+        yield
+    finally:
+        _fuse_norms = previous
 
 
 class NormWeights(Protocol):

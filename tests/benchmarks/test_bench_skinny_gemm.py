@@ -12,8 +12,8 @@ from tests.helpers.benchmark_scripts import run_script
 
 def test_help_lists_the_options(tmp_path) -> None:
     done = run_script("bench_skinny_gemm.py", "--help", timeout=120, cwd=tmp_path)
-    for option in ("--quick", "--full", "--no-pdl", "--json", "--m", "--list"):
-        assert option in done.stdout
+    for option in ("--quick", "--full", "--no-pdl", "--json", "--m M", "--list"):
+        assert option in done.stdout, option
 
 
 def test_list_prints_each_case_sweep(tmp_path) -> None:
@@ -31,10 +31,14 @@ def test_list_prints_each_case_sweep(tmp_path) -> None:
         timeout=120,
         cwd=tmp_path,
     )
-    heads = [line for line in done.stdout.splitlines() if "configs, default" in line]
+    lines = done.stdout.splitlines()
+    heads = [i for i, line in enumerate(lines) if "configs, default" in line]
     assert len(heads) == 4, done.stdout
-    assert "1b o N=2048 K=2048 M=1:" in heads[0] and heads[0].endswith(".sum")
-    assert heads[-1].endswith(".dot")  # 16 rows: tl.dot only
+    assert "1b o N=2048 K=2048 M=1:" in lines[heads[0]] and lines[heads[0]].endswith(".sum")
+    assert lines[heads[-1]].endswith(".dot")  # 16 rows: tl.dot only
+    for i in heads:  # each case's sweep: as many configurations as its header counts, at least one
+        count = int(lines[i].split(": ")[1].split(" configs")[0])
+        assert count > 0 and len(lines[i + 1].split()) == count, (lines[i], lines[i + 1])
 
 
 def test_bad_arguments_are_refused(tmp_path) -> None:

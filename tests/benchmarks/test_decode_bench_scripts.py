@@ -18,7 +18,9 @@ def test_the_script_starts(name: str, tmp_path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU")
-@pytest.mark.parametrize("name", ["bench_skinny_norm.py", "bench_row_argmax.py"])
+@pytest.mark.parametrize(
+    "name", ["profile_decode.py", "bench_decode_attention.py", "bench_skinny_norm.py", "bench_row_argmax.py"]
+)
 def test_without_a_gpu_the_script_says_so(name: str, tmp_path) -> None:
     done = run_script(name, timeout=120, cwd=tmp_path, returncode=2)
     assert "needs a CUDA GPU" in done.stderr

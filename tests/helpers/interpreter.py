@@ -3,9 +3,11 @@ Triton reads the setting once, so it must not leak into the rest of the test ses
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 
 def interpreted(code: str, timeout: float = 240) -> str:
@@ -19,3 +21,9 @@ def interpreted(code: str, timeout: float = 240) -> str:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
+
+
+def interpreted_value(code: str, expression: str, timeout: float = 240) -> Any:
+    """Runs `code` with the interpreter on, then evaluates `expression` there; -> its value (JSON)."""
+    out = interpreted(code + f"\nimport json\nprint(json.dumps({expression}))\n", timeout)
+    return json.loads(out.strip().splitlines()[-1])

@@ -59,7 +59,8 @@ def test_a_load_given_up_leaves_the_fetch_to_the_requests_queued_for_it(harness,
         end = time.monotonic() + 5
         while not load.done() and time.monotonic() < end:
             time.sleep(0.01)
-        time.sleep(0.1)  # a cancellation passed on to the flight would land on the loop by now
+        for _ in range(3):  # loop turns in which a cancellation passed on to the flight would land
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), h.loop).result(5)
         assert flight.future is not None and not flight.future.done()
         release.set()
         slot, _ = h.acquire_eventually(1, "all-r4")

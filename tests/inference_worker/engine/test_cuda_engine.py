@@ -80,11 +80,8 @@ def test_model_kernels_decode_alike_with_and_without_pdl(tiny_model_dir: Path) -
     GPU supports it, model/launch.py) decode what they decode launched plainly, eagerly and from
     graphs."""
     with_pdl = [run(tiny_model_dir, "cuda", torch.bfloat16, graphs=g) for g in (True, False)]
-    previous = launch.set_pdl(False)
-    try:
+    with launch.pdl_off():
         plain = [run(tiny_model_dir, "cuda", torch.bfloat16, graphs=g) for g in (True, False)]
-    finally:
-        launch.set_pdl(previous)
     assert with_pdl == plain
 
 

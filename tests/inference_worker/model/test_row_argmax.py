@@ -5,13 +5,11 @@ its own), and on CUDA also at a 128K vocabulary with bf16-rounded logits and in 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from loraserve.inference_worker.model.row_argmax import row_argmax
-from tests.helpers.interpreter import interpreted
+from tests.helpers.interpreter import interpreted_value
 
 CASE = r"""
 import torch
@@ -58,8 +56,7 @@ def cases(device, sizes):
 def test_kernel_in_triton_interpreter() -> None:
     pytest.importorskip("triton")
     sizes = [(5, 9000), (5, 4096), (2, 1), (1, 4097), (3, 100)]
-    code = CASE + f"\nimport json\nprint(json.dumps(cases('cpu', {sizes!r})))\n"
-    assert json.loads(interpreted(code).strip().splitlines()[-1]) == []
+    assert interpreted_value(CASE, f"cases('cpu', {sizes!r})") == []
 
 
 def test_bad_arguments() -> None:

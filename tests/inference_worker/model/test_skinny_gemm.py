@@ -5,8 +5,6 @@ default configuration; and on CUDA, bf16 on Llama-3.2-1B / Llama-3-8B shapes, al
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from loraserve.inference_worker.model.skinny_gemm import (
     skinny_linear,
     skinny_linear_reference,
 )
-from tests.helpers.interpreter import interpreted
+from tests.helpers.interpreter import interpreted_value
 
 CASE = r"""
 import torch
@@ -69,8 +67,7 @@ def interpreter_cases():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test covers the kernel")
 def test_kernel_in_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    code = CASE + "\nimport json\nprint(json.dumps(interpreter_cases()))\n"
-    assert json.loads(interpreted(code).strip().splitlines()[-1]) == []
+    assert interpreted_value(CASE, "interpreter_cases()") == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

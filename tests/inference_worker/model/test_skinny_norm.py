@@ -5,14 +5,14 @@ a CUDA graph, and the decoder layer's one-row step with and without the fusion."
 
 from __future__ import annotations
 
-import json
+import contextlib
 
 import pytest
 import torch
 
 from loraserve.inference_worker.model.skinny_gemm import SkinnyConfig
 from loraserve.inference_worker.model.skinny_norm import norm_linear, norm_linear_reference
-from tests.helpers.interpreter import interpreted
+from tests.helpers.interpreter import interpreted_value
 
 CASE = r"""
 import torch
@@ -111,8 +111,7 @@ def interpreter_cases():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test covers the kernel")
 def test_kernel_in_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    code = CASE + "\nimport json\nprint(json.dumps(interpreter_cases()))\n"
-    assert json.loads(interpreted(code).strip().splitlines()[-1]) == []
+    assert interpreted_value(CASE, "interpreter_cases()") == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -276,16 +275,13 @@ def test_model_one_row_steps_with_and_without_the_fusion(monkeypatch, qkv_bias) 
                 layer.self_attn.qkv.bias.normal_(0.0, 0.1, generator=g)
             layer.self_attn.k_cache = torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
             layer.self_attn.v_cache = torch.zeros_like(layer.self_attn.k_cache)
-        previous = linear.set_norm_fusion(fuse)
-        try:
+        with contextlib.nullcontext() if fuse else linear.norm_fusion_off():
             outs.append(
                 (
                     torch.cat([_one_row_step(model, p) for p in range(20)]),
                     model.layers[-1].self_attn.k_cache.clone(),
                 )
             )
-        finally:
-            linear.set_norm_fusion(previous)
         assert len(calls) == 2 * cfg.num_layers * 20
     (fused, k_fused), (apart, k_apart) = outs
     torch.testing.assert_close(fused, apart, atol=3e-2, rtol=3e-2)
